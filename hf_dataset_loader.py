@@ -1,0 +1,441 @@
+"""Dataset sources (Hugging Face hub, local files, a built-in offline corpus) and the original full-load path.
+
+A source is anything with `documents(shuffle_seed=None) -> Iterator[str]`: one pass over the documents.
+Local files are read incrementally (never whole into memory, except a `.json` array file), so the
+streaming loader's memory does not grow with the dataset.
+
+    .txt              documents separated by `<|endoftext|>` when the file contains it, else by blank
+                      lines; newlines inside a document are kept. Invalid UTF-8 is replaced (U+FFFD).
+    .jsonl / .json    one JSON object per line (or a JSON array); the text column is auto-detected.
+    .parquet / .csv   read in record batches; the text column is auto-detected.
+    directory / glob  every supported file in it, in sorted order.
+
+No jax here: numpy + tokenizers + datasets only.
+"""
+
+from __future__ import annotations
+
+import ast
+import codecs
+import csv
+import glob
+import json
+import os
+import random
+import re
+import sys
+import urllib.request
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TEXT_COLUMNS = ("text", "content", "story", "document", "body", "sentence")
+LOCAL_EXTENSIONS = (".txt", ".text", ".md", ".jsonl", ".json", ".parquet", ".csv")
+DEFAULT_DATASET = "roneneldan/TinyStories"
+BUILTIN_DATASET = "builtin:python-docs"
+EOT_TEXT = "<|endoftext|>"
+_BLANK_LINES = re.compile(r"\n[ \t\r]*\n")
+
+
+class DatasetError(ValueError):
+    """Bad dataset input; the message is one line naming the flag or file and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources
+
+
+@dataclass
+class TextSource:
+    name: str
+
+    def documents(self, shuffle_seed: int | None = None) -> Iterator[str]:
+        raise NotImplementedError
+
+    def validation(self) -> TextSource | None:
+        """The source's own validation split, if it has one."""
+        return None
+
+    @property
+    def size_bytes(self) -> int | None:
+        return None
+
+
+@dataclass
+class ListSource(TextSource):
+    """In-memory documents (tests, notebooks, the built-in corpus)."""
+
+    docs: Sequence[str] = ()
+
+    def documents(self, shuffle_seed: int | None = None) -> Iterator[str]:
+        return iter(self.docs)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(len(d.encode("utf-8")) for d in self.docs)
+
+
+@dataclass
+class LocalFiles(TextSource):
+    paths: list[str] = field(default_factory=list)
+    text_column: str | None = None
+
+    def documents(self, shuffle_seed: int | None = None) -> Iterator[str]:
+        paths = list(self.paths)
+        if shuffle_seed is not None and len(paths) > 1:
+            random.Random(shuffle_seed).shuffle(paths)
+        for path in paths:
+            yield from read_file(path, self.text_column)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(os.path.getsize(p) for p in self.paths)
+
+
+@dataclass
+class HubDataset(TextSource):
+    config: str | None = None
+    split: str = "train"
+    streaming: bool = True
+    text_column: str | None = None
+
+    def _load(self, split: str):
+        import datasets  # heavy import: only when the hub is used
+
+        try:
+            return datasets.load_dataset(self.name, self.config, split=split, streaming=self.streaming)
+        except Exception as e:
+            msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise DatasetError(f"--dataset-id {self.name} (split {split}): could not load it from the hub: {msg}")
+
+    def documents(self, shuffle_seed: int | None = None) -> Iterator[str]:
+        ds = self._load(self.split)
+        if shuffle_seed is not None and self.streaming:
+            ds = ds.shuffle(seed=shuffle_seed, buffer_size=1)  # shard order only; our buffer does the rest
+        column = None
+        for row in ds:
+            if column is None:
+                column = pick_text_column(list(row.keys()), self.text_column, f"--dataset-id {self.name}", row)
+            text = row[column]
+            if isinstance(text, str):
+                yield text
+
+    def validation(self) -> TextSource | None:
+        import datasets
+
+        try:
+            splits = datasets.get_dataset_split_names(self.name, self.config)
+        except Exception:
+            return None
+        for s in ("validation", "valid", "val", "test"):
+            if s in splits and s != self.split:
+                return HubDataset(self.name, self.config, s, self.streaming, self.text_column)
+        return None
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """True when the Hugging Face hub answers within `timeout` seconds (and offline mode is off)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return False
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout)
+        return True
+    except Exception as e:
+        # An HTTP error status still means the hub answered.
+        return hasattr(e, "code")
+
+
+def _looks_like_path(spec: str) -> bool:
+    return (
+        spec.startswith((".", "/", "~"))
+        or spec.lower().endswith(LOCAL_EXTENSIONS)
+        or any(ch in spec for ch in "*?[")
+        or os.sep + os.sep in spec
+    )
+
+
+def local_paths(spec: str, flag: str = "--dataset-id") -> list[str] | None:
+    """Files named by a path, directory or glob; None when `spec` is not a local path at all."""
+    spec = os.path.expanduser(spec)
+    if os.path.isdir(spec):
+        paths = [
+            os.path.join(root, f)
+            for root, _, files in os.walk(spec)
+            for f in files
+            if f.lower().endswith(LOCAL_EXTENSIONS)
+        ]
+        if not paths:
+            raise DatasetError(f"{flag} {spec}: directory has no {'/'.join(LOCAL_EXTENSIONS)} files")
+        return sorted(paths)
+    if os.path.isfile(spec):
+        return [spec]
+    if any(ch in spec for ch in "*?["):
+        paths = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+        if not paths:
+            raise DatasetError(f"{flag} {spec}: the glob matches no files")
+        return paths
+    if _looks_like_path(spec):
+        raise DatasetError(f"{flag} {spec}: no such file or directory; check the path")
+    return None
+
+
+def resolve_source(
+    dataset_id: str | None,
+    *,
+    dataset_config: str | None = None,
+    split: str = "train",
+    text_column: str | None = None,
+    streaming: bool = True,
+    hub_timeout: float = 3.0,
+    flag: str = "--dataset-id",
+    log=print,
+) -> TextSource:
+    """Turn a --dataset-id (hub id, file, directory, glob, or None for the default) into a source."""
+    if dataset_id is None:
+        if hub_reachable(hub_timeout):
+            return HubDataset(DEFAULT_DATASET, dataset_config, split, streaming, text_column)
+        log(
+            f"[data] The Hugging Face hub did not answer within {hub_timeout:g}s: training on the built-in "
+            f"offline corpus (Python's own documentation, ~2 MB of English). Pass --dataset-id to choose data."
+        )
+        return builtin_corpus()
+    if dataset_id == BUILTIN_DATASET:
+        return builtin_corpus()
+    paths = local_paths(dataset_id, flag)
+    if paths is not None:
+        return LocalFiles(dataset_id, paths, text_column)
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", dataset_id):
+        raise DatasetError(f"{flag} {dataset_id}: not a file, directory, glob or hub id like 'owner/name'")
+    if not hub_reachable(hub_timeout):
+        raise DatasetError(
+            f"{flag} {dataset_id}: the Hugging Face hub cannot be reached; check the network "
+            f"(or HF_HUB_OFFLINE) or pass a local file, directory or glob"
+        )
+    return HubDataset(dataset_id, dataset_config, split, streaming, text_column)
+
+
+# ----------------------------------------------------------------------------------------------
+# Local file readers
+
+
+def pick_text_column(columns: list[str], wanted: str | None, where: str, sample: dict | None = None) -> str:
+    if wanted:
+        if wanted not in columns:
+            raise DatasetError(f"--text-column {wanted}: {where} has no such column; columns are {columns}")
+        return wanted
+    for c in TEXT_COLUMNS:
+        if c in columns:
+            return c
+    if sample is not None:
+        strings = [c for c in columns if isinstance(sample.get(c), str)]
+        if len(strings) == 1:
+            return strings[0]
+    raise DatasetError(f"{where}: cannot tell which column holds the text; pass --text-column, one of {columns}")
+
+
+def read_file(path: str, text_column: str | None = None) -> Iterator[str]:
+    ext = os.path.splitext(path)[1].lower()
+    if ext in (".jsonl", ".json"):
+        return _read_json(path, text_column)
+    if ext == ".parquet":
+        return _read_parquet(path, text_column)
+    if ext == ".csv":
+        return _read_csv(path, text_column)
+    return _read_txt(path)
+
+
+def _file_contains(path: str, needle: bytes, chunk: int = 1 << 20) -> bool:
+    with open(path, "rb") as f:
+        tail = b""
+        while block := f.read(chunk):
+            if needle in tail + block:
+                return True
+            tail = block[-len(needle) :]
+    return False
+
+
+def _read_txt(path: str, chunk_bytes: int = 1 << 20) -> Iterator[str]:
+    separator = EOT_TEXT if _file_contains(path, EOT_TEXT.encode()) else None
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    rest = ""
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk_bytes)
+            text = rest + decoder.decode(block, final=not block)
+            parts = text.split(separator) if separator else _BLANK_LINES.split(text)
+            if block:
+                rest = parts.pop()  # may continue in the next block
+            for doc in parts:
+                doc = doc.strip("\r\n")
+                if doc.strip():
+                    yield doc
+            if not block:
+                return
+
+
+def _read_json(path: str, text_column: str | None) -> Iterator[str]:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if head[:1] == b"[":  # a JSON array: cannot be streamed with the standard library
+        with open(path, encoding="utf-8", errors="replace") as f:
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}: invalid JSON ({e}); fix the file or convert it to JSON Lines")
+        yield from _rows_text(rows, text_column, path)
+        return
+    column = None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: malformed JSON line ({e.msg}); fix or remove that line")
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}:{lineno}: expected a JSON object per line")
+            if column is None:
+                column = pick_text_column(list(row), text_column, path, row)
+            text = row.get(column)
+            if isinstance(text, str) and text.strip():
+                yield text
+
+
+def _rows_text(rows: Iterable[dict], text_column: str | None, path: str) -> Iterator[str]:
+    column = None
+    for row in rows:
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path}: expected a list of JSON objects")
+        if column is None:
+            column = pick_text_column(list(row), text_column, path, row)
+        text = row.get(column)
+        if isinstance(text, str) and text.strip():
+            yield text
+
+
+def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise DatasetError(f"{path}: not a readable Parquet file ({str(e)[:120]})")
+    names = pf.schema_arrow.names
+    strings = [n for n in names if str(pf.schema_arrow.field(n).type) in ("string", "large_string")]
+    column = pick_text_column(names, text_column, path, {n: "" for n in strings})
+    for batch in pf.iter_batches(columns=[column], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if isinstance(text, str) and text.strip():
+                yield text
+
+
+def _read_csv(path: str, text_column: str | None) -> Iterator[str]:
+    csv.field_size_limit(sys.maxsize)
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        reader = csv.DictReader(f)
+        column = None
+        for row in reader:
+            if column is None:
+                column = pick_text_column(list(row), text_column, path, row)
+            text = row.get(column)
+            if text and text.strip():
+                yield text
+
+
+# ----------------------------------------------------------------------------------------------
+# Built-in offline corpus: real English that every Python ships
+
+
+def builtin_corpus(max_bytes: int = 2_200_000) -> ListSource:
+    """Python's pydoc topics plus the docstrings of the standard library's modules (~2 MB), sorted."""
+    import pydoc_data.topics
+
+    docs = [pydoc_data.topics.topics[k].strip() for k in sorted(pydoc_data.topics.topics)]
+    total = sum(len(d) for d in docs)
+    stdlib = os.path.dirname(os.__file__)
+    for root, dirs, files in os.walk(stdlib):
+        dirs[:] = sorted(d for d in dirs if d not in ("test", "tests", "idlelib", "site-packages", "__pycache__"))
+        for name in sorted(files):
+            if not name.endswith(".py") or total >= max_bytes:
+                continue
+            try:
+                with open(os.path.join(root, name), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+                continue
+            for node in [tree, *ast.walk(tree)]:
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc) >= 200:
+                        docs.append(doc)
+                        total += len(doc)
+    return ListSource(BUILTIN_DATASET, docs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenize and pack (shared by the streaming loader and the full-load path)
+
+
+def encode_documents(tokenizer, docs: Sequence[str], eot: int) -> np.ndarray:
+    """Tokenize documents with one `encode_batch` call; each document is followed by `eot`."""
+    encodings = tokenizer.encode_batch(list(docs), add_special_tokens=False)
+    lengths = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
+    out = np.full(int(lengths.sum()), eot, dtype=np.int32)
+    ends = np.cumsum(lengths) - 1
+    starts = ends - lengths + 1
+    for e, s, t in zip(encodings, starts, ends):
+        out[s:t] = e.ids
+    return out
+
+
+def pack_rows(tokens: np.ndarray, seq_len: int, stride: int, n_rows: int | None = None) -> tuple[np.ndarray, int]:
+    """Cut rows of seq_len+1 tokens starting every `stride` tokens; returns (rows, tokens consumed).
+
+    Row r holds tokens[r*stride : r*stride + seq_len + 1]: inputs are row[:-1], targets row[1:].
+    With stride == seq_len no token is lost: the last target of a row is the first input of the next.
+    """
+    available = 0 if len(tokens) < seq_len + 1 else (len(tokens) - seq_len - 1) // stride + 1
+    n = available if n_rows is None else min(n_rows, available)
+    if n == 0:
+        return np.zeros((0, seq_len + 1), np.int32), 0
+    windows = np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)[::stride][:n]
+    return np.ascontiguousarray(windows), n * stride
+
+
+def prepare_sequences(
+    source: TextSource,
+    tokenizer,
+    seq_len: int,
+    stride: int | None = None,
+    max_examples: int | None = None,
+    skip_documents: int = 0,
+    chunk_docs: int = 512,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The original full-load path: tokenize everything up front into (inputs, targets) arrays.
+
+    Memory grows with the dataset (that is the point of comparing it with StreamingDataLoader).
+    """
+    from tokenizer_utils import eot_id
+
+    eot = eot_id(tokenizer)
+    stride = stride or seq_len
+    parts, batch = [], []
+    for i, doc in enumerate(source.documents()):
+        if i < skip_documents:
+            continue
+        if max_examples is not None and i - skip_documents >= max_examples:
+            break
+        batch.append(doc)
+        if len(batch) >= chunk_docs:
+            parts.append(encode_documents(tokenizer, batch, eot))
+            batch = []
+    if batch:
+        parts.append(encode_documents(tokenizer, batch, eot))
+    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    rows, _ = pack_rows(tokens, seq_len, stride)
+    if len(rows) == 0:
+        raise DatasetError(f"{source.name}: too little text for one sequence of {seq_len + 1} tokens")
+    return rows[:, :-1].copy(), rows[:, 1:].copy()

@@ -1,0 +1,89 @@
+"""Process memory, device peak FLOP/s (for MFU) and the metrics.jsonl / console sink."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import IO
+
+# Dense bf16 peak FLOP/s per device from vendor datasheets (no sparsity).
+PUBLISHED_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
+    "V100": 125e12,
+    "T4": 65e12,
+    "TPU v6": 918e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 197e12,  # v5e / v5 lite
+    "TPU v4": 275e12,
+    "TPU v3": 123e12,
+}
+
+
+def rss_mb() -> float:
+    """Current resident set size of this process in MB."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return peak_rss_mb()
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MB (ru_maxrss is KB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def device_peak_flops(device) -> tuple[float, str]:
+    """(peak FLOP/s, where the figure comes from) for one jax device.
+
+    Accelerators: the table above. CPU: measured here with a large jitted float32 matmul (~0.5 s),
+    since CPUs vary too much for a table.
+    """
+    kind = getattr(device, "device_kind", "") or ""
+    for name, flops in PUBLISHED_PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops, f"published bf16 peak of {name}"
+    if device.platform == "cpu":
+        return measure_matmul_flops(), "measured (2048^3 float32 matmul)"
+    return float("nan"), f"unknown device kind {kind!r}"
+
+
+def measure_matmul_flops(n: int = 2048, reps: int = 3) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda a, b: a @ b)
+    a = jnp.ones((n, n), jnp.float32)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+class MetricsLog:
+    """Appends JSON rows to metrics.jsonl; echoes a one-line summary when not drawing a progress bar."""
+
+    def __init__(self, path: str, echo: IO | None = sys.stdout):
+        self.file = open(path, "a", buffering=1)
+        self.echo = echo
+
+    def write(self, row: dict, line: str | None = None) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        if line and self.echo is not None:
+            print(line, file=self.echo, flush=True)
+
+    def close(self) -> None:
+        self.file.close()

@@ -1,0 +1,241 @@
+"""StreamingDataLoader: documents -> shuffle buffer -> batched tokenization -> packed fixed-length batches.
+
+    from streaming_data_loader import StreamingDataLoader, estimate_memory_usage
+    loader = StreamingDataLoader(dataset_id="data.txt", tokenizer=tok, seq_len=128, batch_size=32)
+    for batch in loader:            # one epoch
+        batch["input_ids"], batch["targets"]   # numpy int32, (batch_size, seq_len)
+
+Memory is bounded by the shuffle buffer (documents), one tokenization chunk, the packing carry-over
+(< one batch of tokens) and the prefetch queue; none of it grows with the dataset. Tokenization runs in
+a background thread that stays at most `prefetch` batches ahead, so it neither stalls the train step
+nor competes with it for the cores when training is the bottleneck.
+
+No jax here: numpy + tokenizers + datasets only.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+from hf_dataset_loader import DatasetError, TextSource, encode_documents, pack_rows, resolve_source
+from tokenizer_utils import eot_id, load_tokenizer
+
+Batch = dict[str, np.ndarray]
+_END = object()
+
+
+class StreamingDataLoader:
+    """Iterate packed batches of one epoch; `iter_epoch(e)` reshuffles with seed (seed, e)."""
+
+    def __init__(
+        self,
+        dataset_id: str | TextSource | None = None,
+        tokenizer=None,
+        seq_len: int = 128,
+        batch_size: int = 32,
+        streaming: bool = True,
+        shuffle_buffer_size: int = 10_000,
+        seed: int = 0,
+        stride: int | None = None,
+        max_examples: int | None = None,
+        text_column: str | None = None,
+        split: str = "train",
+        dataset_config: str | None = None,
+        skip_documents: int = 0,
+        prefetch: int = 2,
+        chunk_chars: int = 256_000,
+    ):
+        if tokenizer is None:
+            raise ValueError("StreamingDataLoader needs a tokenizer (a tokenizers.Tokenizer or a tokenizer.json path)")
+        if seq_len < 2:
+            raise DatasetError(f"--seq-len {seq_len}: must be at least 2")
+        if batch_size < 1:
+            raise DatasetError(f"--batch-size {batch_size}: must be positive")
+        stride = seq_len if stride is None else stride
+        if not 1 <= stride <= seq_len:
+            raise DatasetError(f"--stride {stride}: must be between 1 and --seq-len ({seq_len})")
+        if shuffle_buffer_size < 0:
+            raise DatasetError(f"--shuffle-buffer-size {shuffle_buffer_size}: must be >= 0")
+        if max_examples is not None and max_examples < 1:
+            raise DatasetError(f"--max-examples {max_examples}: must be positive")
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.eot = eot_id(self.tokenizer)
+        if isinstance(dataset_id, TextSource):
+            self.source = dataset_id
+        else:
+            self.source = resolve_source(
+                dataset_id, dataset_config=dataset_config, split=split, text_column=text_column, streaming=streaming
+            )
+        self.seq_len, self.batch_size, self.stride = seq_len, batch_size, stride
+        self.shuffle_buffer_size, self.seed = shuffle_buffer_size, seed
+        self.max_examples, self.skip_documents = max_examples, skip_documents
+        self.prefetch, self.chunk_chars = prefetch, chunk_chars
+        self.epoch = 0
+        # Counters for the current epoch (read by the trainer and the memory-bound test).
+        self.documents_read = 0
+        self.tokens_read = 0
+        self.max_buffered_documents = 0
+        self.max_carry_tokens = 0
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.iter_epoch(self.epoch)
+
+    def iter_epoch(self, epoch: int) -> Iterator[Batch]:
+        self.epoch = epoch
+        gen = self._batches(epoch)
+        return _prefetched(gen, self.prefetch) if self.prefetch > 0 else gen
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.seq_len
+
+    # -- pipeline -------------------------------------------------------------------------------
+
+    def _documents(self, epoch: int) -> Iterator[str]:
+        shuffle = self.shuffle_buffer_size > 1
+        docs = self.source.documents(shuffle_seed=(self.seed * 1_000_003 + epoch) if shuffle else None)
+        limit = None if self.max_examples is None else self.skip_documents + self.max_examples
+        for i, doc in enumerate(docs):
+            if limit is not None and i >= limit:
+                return
+            if i >= self.skip_documents:
+                yield doc
+
+    def _shuffled(self, docs: Iterator[str], rng: np.random.Generator) -> Iterator[str]:
+        size = self.shuffle_buffer_size
+        if size <= 1:
+            yield from docs
+            return
+        buf: list[str] = []
+        picks = iter(())
+        for doc in docs:
+            if len(buf) < size:
+                buf.append(doc)
+                self.max_buffered_documents = max(self.max_buffered_documents, len(buf))
+                continue
+            i = next(picks, None)
+            if i is None:  # draw indices in blocks: one numpy call per 4096 documents
+                picks = iter(rng.integers(0, size, 4096).tolist())
+                i = next(picks)
+            out, buf[i] = buf[i], doc
+            yield out
+        for i in rng.permutation(len(buf)).tolist():
+            yield buf[i]
+
+    def _batches(self, epoch: int) -> Iterator[Batch]:
+        self.documents_read = self.tokens_read = 0
+        rng = np.random.default_rng([self.seed, epoch])
+        L, B, stride = self.seq_len, self.batch_size, self.stride
+        carry = np.zeros(0, np.int32)
+        chunk: list[str] = []
+        chunk_len = 0
+        yielded = False
+
+        def flush() -> Iterator[Batch]:
+            nonlocal carry
+            tokens = encode_documents(self.tokenizer, chunk, self.eot)
+            self.tokens_read += len(tokens)
+            carry = np.concatenate([carry, tokens]) if len(carry) else tokens
+            self.max_carry_tokens = max(self.max_carry_tokens, len(carry))
+            while True:
+                rows, used = pack_rows(carry, L, stride, B)
+                if len(rows) < B:
+                    return
+                carry = carry[used:]
+                yield {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}
+
+        for doc in self._shuffled(self._documents(epoch), rng):
+            self.documents_read += 1
+            chunk.append(doc)
+            chunk_len += len(doc)
+            if chunk_len >= self.chunk_chars:
+                for batch in flush():
+                    yielded = True
+                    yield batch
+                chunk, chunk_len = [], 0
+        if chunk:
+            for batch in flush():
+                yielded = True
+                yield batch
+        if not yielded:
+            need = (B - 1) * stride + L + 1
+            raise DatasetError(
+                f"{self.source.name}: dataset is smaller than one batch ({self.tokens_read} tokens, need {need}); "
+                f"use a smaller --batch-size or --seq-len, or more data"
+            )
+
+
+def _prefetched(gen: Iterator[Batch], depth: int) -> Iterator[Batch]:
+    """Run `gen` in a daemon thread at most `depth` items ahead; errors re-raise in the consumer."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def worker() -> None:
+        try:
+            for item in gen:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+                if stop.is_set():
+                    return
+            q.put(_END)
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            q.put(e)
+
+    thread = threading.Thread(target=worker, name="data-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+def estimate_memory_usage(
+    num_sequences: int,
+    seq_len: int,
+    batch_size: int,
+    shuffle_buffer_size: int = 10_000,
+    avg_document_chars: int = 1_000,
+    prefetch: int = 2,
+    chunk_chars: int = 256_000,
+) -> dict:
+    """Data-side memory of the full-load path versus the streaming loader, in MB.
+
+    full_load_mb   = num_sequences * seq_len * 2 arrays (inputs, targets) * 4 bytes (int32)
+    streaming_mb   = batches alive ((prefetch + 2) batches: queue, the one being built, the one in use)
+                   + shuffle buffer (shuffle_buffer_size * (avg_document_chars + 49 bytes of str header))
+                   + one tokenization chunk (chunk_chars as text + ~4 bytes/char of token ids, upper bound)
+    memory_savings = "xx.xx%" (1 - streaming / full load), also as a fraction in memory_savings_frac.
+    """
+    mb = 1 / (1 << 20)
+    row_bytes = seq_len * 2 * 4
+    full = num_sequences * row_bytes * mb
+    batches = (prefetch + 2) * batch_size * row_bytes * mb
+    shuffle = (shuffle_buffer_size if shuffle_buffer_size > 1 else 0) * (avg_document_chars + 49) * mb
+    chunk = chunk_chars * 5 * mb
+    streaming = batches + shuffle + chunk
+    frac = 1 - streaming / full if full > 0 else 0.0
+    return {
+        "full_load_mb": round(full, 3),
+        "streaming_mb": round(streaming, 3),
+        "memory_savings": f"{frac * 100:.2f}%",
+        "memory_savings_frac": frac,
+        "streaming_batches_mb": round(batches, 3),
+        "shuffle_buffer_mb": round(shuffle, 3),
+        "tokenize_chunk_mb": round(chunk, 3),
+    }

@@ -1,0 +1,464 @@
+"""Streaming small-LM trainer: CLI and train loop.
+
+    python train_optimized.py --use-streaming --dataset-id data.txt --target-params 1000000 --max-time 120
+
+`train(Config(...))` is the same run from a notebook. The pieces: hf_dataset_loader (sources),
+streaming_data_loader (batches), tokenizer_utils, model_sizing (shape), model (Flax transformer),
+train_step (optimizer + jitted steps), checkpointing (orbax), run_metrics (RSS, MFU, metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import time
+
+_PROCESS_START = time.time()  # --max-time counts from here when run as a script
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hf_dataset_loader import (
+    DatasetError,
+    TextSource,
+    encode_documents,
+    pack_rows,
+    prepare_sequences,
+    resolve_source,
+)
+from model_sizing import SizingError, choose_shape, count_params, default_vocab_size, describe, flops_per_token
+from run_metrics import MetricsLog, device_peak_flops, peak_rss_mb, rss_mb
+from streaming_data_loader import StreamingDataLoader
+from tokenizer_utils import TokenizerError, eot_id, load_tokenizer, token_byte_lengths, train_bpe
+
+
+class ConfigError(ValueError):
+    """A bad flag value; the message names the flag and the fix."""
+
+
+USER_ERRORS = (ConfigError, DatasetError, TokenizerError, SizingError)
+
+
+@dataclass
+class Config:
+    # data
+    dataset_id: str | None = field(default=None, metadata={"help": "Hub id (e.g. roneneldan/TinyStories), file, directory or glob. Default: TinyStories when the hub answers, else the built-in offline corpus"})
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name"})
+    split: str = field(default="train", metadata={"help": "Split to train on"})
+    text_column: str | None = field(default=None, metadata={"help": "Column holding the text (auto-detected: text, content, story, ...)"})
+    eval_dataset_id: str | None = field(default=None, metadata={"help": "Separate held-out source, scored whole. Default: the source's validation split, else its first documents (held out from training)"})
+    use_streaming: bool = field(default=False, metadata={"help": "Stream and tokenize on the fly in constant memory (off: load and tokenize everything up front)"})
+    shuffle_buffer_size: int = field(default=10_000, metadata={"help": "Documents in the shuffle buffer (0 or 1: no shuffling)"})
+    max_examples: int | None = field(default=None, metadata={"help": "Use at most this many training documents per epoch"})
+    # tokenizer
+    tokenizer: str | None = field(default=None, metadata={"help": "Path to a tokenizer.json; otherwise a byte-level BPE is trained on the stream"})
+    vocab_size: int | None = field(default=None, metadata={"help": "Vocabulary of the BPE to train (default: 512-8192 by --target-params)"})
+    # model
+    target_params: int = field(default=1_000_000, metadata={"help": "Parameter target; the shape is chosen within 5%% (see model_sizing.py)"})
+    n_layers: int | None = field(default=None, metadata={"help": "Override: number of layers"})
+    d_model: int | None = field(default=None, metadata={"help": "Override: model width"})
+    n_heads: int | None = field(default=None, metadata={"help": "Override: attention heads"})
+    seq_len: int = field(default=128, metadata={"help": "Tokens per training sequence"})
+    stride: int | None = field(default=None, metadata={"help": "Tokens between sequence starts (default --seq-len: no overlap, nothing lost)"})
+    # optimisation
+    batch_size: int = field(default=32, metadata={"help": "Sequences per micro-batch"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step (optax.MultiSteps)"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak AdamW learning rate"})
+    warmup_steps: int = field(default=100, metadata={"help": "Linear warmup (optimizer steps; capped at 20%% of --max-steps)"})
+    weight_decay: float = field(default=0.1, metadata={"help": "Decoupled weight decay on matrices"})
+    grad_clip: float = field(default=1.0, metadata={"help": "Clip gradients to this global norm (0: off)"})
+    use_mixed_precision: bool = field(default=False, metadata={"help": "bfloat16 compute with float32 master weights"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute each block's activations in the backward pass (less memory, ~30%% more compute)"})
+    # length of the run
+    epochs: int = field(default=1, metadata={"help": "Passes over the data, reshuffled each epoch"})
+    max_steps: int | None = field(default=None, metadata={"help": "Stop after this many optimizer steps"})
+    max_time: float | None = field(default=None, metadata={"help": "Wall-clock budget in seconds from process start: train until spent, then eval and save"})
+    seed: int = field(default=0, metadata={"help": "Seed for init, shuffling and sampling"})
+    # evaluation, logging, outputs
+    eval_every: int = field(default=500, metadata={"help": "Evaluate (and write a sample) every N optimizer steps, and at the end"})
+    eval_tokens: int = field(default=65_536, metadata={"help": "Tokens scored per eval (a separate --eval-dataset-id file is scored whole)"})
+    log_every: int = field(default=10, metadata={"help": "Log a metrics row every N optimizer steps"})
+    checkpoint_every: int = field(default=1000, metadata={"help": "Save a checkpoint every N optimizer steps, and at the end"})
+    output_dir: str | None = field(default=None, metadata={"help": "Where outputs go (default: a new folder under runs/)"})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Train a small decoder-only language model on a streamed dataset (JAX/Flax).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action="store_true", help=f.metadata["help"])
+            continue
+        base = str(f.type).split(" | ")[0].strip("'")
+        kind = {"int": int, "float": float, "str": str}[base]
+        p.add_argument(flag, type=kind, default=f.default, metavar=base.upper(), help=f.metadata["help"])
+    return p
+
+
+def validate(c: Config) -> None:
+    positive = ["batch_size", "gradient_accumulation_steps", "target_params", "epochs", "eval_every", "eval_tokens",
+                "log_every", "checkpoint_every", "max_steps", "max_time", "learning_rate", "vocab_size",
+                "n_layers", "d_model", "n_heads", "max_examples"]
+    for name in positive:
+        v = getattr(c, name)
+        if v is not None and not v > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {v}: must be positive")
+    if c.seq_len < 2:
+        raise ConfigError(f"--seq-len {c.seq_len}: must be at least 2")
+    if c.stride is not None and not 1 <= c.stride <= c.seq_len:
+        raise ConfigError(f"--stride {c.stride}: must be between 1 and --seq-len ({c.seq_len})")
+    for name in ("warmup_steps", "weight_decay", "grad_clip", "shuffle_buffer_size"):
+        if getattr(c, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(c, name)}: must be >= 0")
+    if c.tokenizer and c.vocab_size:
+        raise ConfigError("--tokenizer and --vocab-size: give one (the vocabulary comes from the tokenizer file)")
+
+
+def prepare_output_dir(c: Config) -> str:
+    out = c.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".write-test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--output-dir {out}: not writable ({e.strerror}); choose another directory")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Data: tokenizer, held-out set, training batches
+
+
+def held_out_split(source: TextSource, chars: int) -> tuple[list[str], int]:
+    """The first documents of the stream totalling >= `chars` characters, and how many they are."""
+    docs, total = [], 0
+    for doc in source.documents():
+        docs.append(doc)
+        total += len(doc)
+        if total >= chars:
+            break
+    return docs, len(docs)
+
+
+def build_tokenizer(c: Config, source: TextSource, skip_documents: int, log) -> tuple[object, float]:
+    """Load --tokenizer or train a BPE on the training stream. Returns (tokenizer, seconds)."""
+    t = time.time()
+    if c.tokenizer:
+        return load_tokenizer(c.tokenizer), time.time() - t
+    vocab = c.vocab_size or default_vocab_size(c.target_params)
+    docs = (d for i, d in enumerate(source.documents()) if i >= skip_documents)
+    tok = train_bpe(docs, vocab)
+    log(f"[tokenizer] trained a byte-level BPE with {tok.get_vocab_size():,} tokens in {time.time() - t:.1f}s")
+    return tok, time.time() - t
+
+
+@dataclass
+class EvalSet:
+    """Packed held-out rows: inputs/targets (N, L), a mask for the padded tail, bytes per row."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    mask: np.ndarray
+    n_bytes: int
+    name: str
+
+
+def build_eval_set(docs, tokenizer, seq_len: int, max_tokens: int | None, name: str) -> EvalSet:
+    eot = eot_id(tokenizer)
+    parts, n = [], 0
+    batch: list[str] = []
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) == 256:
+            parts.append(encode_documents(tokenizer, batch, eot))
+            n += len(parts[-1])
+            batch = []
+            if max_tokens and n > max_tokens:
+                break
+    if batch:
+        parts.append(encode_documents(tokenizer, batch, eot))
+    if not parts:
+        raise DatasetError(f"{name}: the held-out set is empty; pass --eval-dataset-id or more data")
+    # Score tokens 1..n (every token after the first, which has no context), packed with no overlap.
+    tokens = np.concatenate([[eot], np.concatenate(parts)]).astype(np.int32)
+    if max_tokens:
+        tokens = tokens[: max_tokens + 1]
+    n_targets = len(tokens) - 1
+    n_rows = math.ceil(n_targets / seq_len)
+    padded = np.full(n_rows * seq_len + 1, eot, np.int32)
+    padded[: len(tokens)] = tokens
+    rows, _ = pack_rows(padded, seq_len, seq_len)
+    mask = (np.arange(n_rows * seq_len) < n_targets).reshape(n_rows, seq_len).astype(np.float32)
+    n_bytes = int(token_byte_lengths(tokenizer)[tokens[1:]].sum())
+    return EvalSet(rows[:, :-1], rows[:, 1:], mask, n_bytes, name)
+
+
+def full_load_batches(inputs: np.ndarray, targets: np.ndarray, batch_size: int, seed: int, epoch: int) -> Iterator[dict]:
+    order = np.random.default_rng([seed, epoch]).permutation(len(inputs))
+    for i in range(0, len(order) - batch_size + 1, batch_size):
+        idx = np.sort(order[i : i + batch_size])
+        yield {"input_ids": inputs[idx], "targets": targets[idx]}
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+
+
+def train(config: Config, start_time: float | None = None, log=print) -> dict:
+    """Run training as configured; returns the summary (also written to summary.json)."""
+    c = dataclasses.replace(config)
+    start = time.time() if start_time is None else start_time
+    validate(c)
+    out = prepare_output_dir(c)
+    os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
+
+    # Tokenizer before model (the seeds' lesson): data setup needs no jax.
+    source = resolve_source(c.dataset_id, dataset_config=c.dataset_config, split=c.split,
+                            text_column=c.text_column, streaming=c.use_streaming, log=log)
+    eval_source = (resolve_source(c.eval_dataset_id, text_column=c.text_column, flag="--eval-dataset-id", log=log)
+                   if c.eval_dataset_id else source.validation())
+    skip_docs, heldout_docs = 0, None
+    if eval_source is None:  # hold out the first documents (~6 chars/token covers --eval-tokens)
+        heldout_docs, skip_docs = held_out_split(source, c.eval_tokens * 6)
+    tokenizer, tok_seconds = build_tokenizer(c, source, skip_docs, log)
+    tokenizer.save(os.path.join(out, "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size()
+    shape = choose_shape(c.target_params, vocab, c.n_layers, c.d_model, c.n_heads)
+    n_params = count_params(shape)
+
+    if eval_source is not None:
+        whole = c.eval_dataset_id is not None
+        eval_set = build_eval_set(eval_source.documents(), tokenizer, c.seq_len, None if whole else c.eval_tokens,
+                                  eval_source.name)
+    else:
+        eval_set = build_eval_set(heldout_docs, tokenizer, c.seq_len, c.eval_tokens, f"{source.name} (held-out head)")
+        del heldout_docs
+
+    if c.use_streaming:
+        loader = StreamingDataLoader(source, tokenizer, seq_len=c.seq_len, batch_size=c.batch_size,
+                                     shuffle_buffer_size=c.shuffle_buffer_size, seed=c.seed, stride=c.stride,
+                                     max_examples=c.max_examples, skip_documents=skip_docs)
+        epoch_batches = loader.iter_epoch
+    else:
+        inputs, targets = prepare_sequences(source, tokenizer, c.seq_len, c.stride, c.max_examples, skip_docs)
+        if len(inputs) < c.batch_size:
+            raise DatasetError(f"{source.name}: {len(inputs)} sequences, fewer than --batch-size {c.batch_size}")
+        log(f"[data] full load: {inputs.shape[0]:,} sequences, {(inputs.nbytes + targets.nbytes) / 2**20:.1f} MB in memory")
+        epoch_batches = lambda e: full_load_batches(inputs, targets, c.batch_size, c.seed, e)  # noqa: E731
+
+    # Model and optimizer (jax imported only now).
+    import jax
+    import jax.numpy as jnp
+
+    from checkpointing import Checkpointer
+    from model import Transformer, init_params
+    from train_step import init_state, lr_at, make_eval_step, make_optimizer, make_sampler, make_train_step
+
+    device = jax.devices()[0]
+    peak_flops, peak_source = device_peak_flops(device)
+    dtype = jnp.bfloat16 if c.use_mixed_precision else jnp.float32
+    model = Transformer(shape, dtype=dtype, remat=c.gradient_checkpointing)
+    tx = make_optimizer(c.weight_decay, c.grad_clip, c.gradient_accumulation_steps)
+    state = init_state(init_params(model, c.seed, c.seq_len), tx)
+    train_step, eval_step = make_train_step(model, tx), make_eval_step(model)
+    sampler = make_sampler(model, c.seq_len)
+    assert sum(x.size for x in jax.tree.leaves(state.params)) == n_params
+    fpt = flops_per_token(shape, c.seq_len)
+    warmup = min(c.warmup_steps, c.max_steps // 5) if c.max_steps else c.warmup_steps
+    tokens_per_step = c.batch_size * c.seq_len * c.gradient_accumulation_steps
+    est_total_tokens = None
+    if c.max_steps is None and c.max_time is None and source.size_bytes:
+        est_total_tokens = c.epochs * source.size_bytes / max(eval_set.n_bytes / eval_set.mask.sum(), 1.0)
+
+    resolved = {**dataclasses.asdict(c), "output_dir": out, "dataset": source.name, "eval_dataset": eval_set.name,
+                "vocab_size": vocab, "stride": c.stride or c.seq_len, "warmup_steps": warmup,
+                "model": shape.to_dict(), "params": n_params, "model_flops_per_token": fpt,
+                "held_out_documents": skip_docs, "device": str(device), "jax_version": jax.__version__}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(resolved, f, indent=2)
+    log(f"[model] {describe(shape, c.seq_len)}")
+    log(f"[run] {device.platform} peak {peak_flops / 1e9:,.0f} GFLOP/s ({peak_source}); "
+        f"{tokens_per_step:,} tokens/step; eval on {eval_set.name}: {int(eval_set.mask.sum()):,} tokens; out {out}")
+
+    metrics = MetricsLog(os.path.join(out, "metrics.jsonl"), echo=None)
+    ckpt = Checkpointer(os.path.join(out, "checkpoints"))
+    bar = _progress_bar(c.max_steps)
+
+    def emit(row: dict, line: str) -> None:
+        metrics.write(row)
+        if bar is not None:
+            bar.write(line)
+        else:
+            log(line)
+
+    def evaluate(step: int, tokens: int) -> dict:
+        nonlocal eval_seconds, interval_start
+        t_eval = time.time()
+        nats, count = 0.0, 0.0
+        B = c.batch_size
+        for i in range(0, len(eval_set.inputs), B):
+            x, y, m = eval_set.inputs[i : i + B], eval_set.targets[i : i + B], eval_set.mask[i : i + B]
+            if len(x) < B:  # pad the last batch so the eval step compiles once
+                pad = B - len(x)
+                x, y = np.pad(x, ((0, pad), (0, 0))), np.pad(y, ((0, pad), (0, 0)))
+                m = np.pad(m, ((0, pad), (0, 0)))
+            s, n = eval_step(state.params, x, y, m)
+            nats, count = nats + float(s), count + float(n)
+        loss = nats / count
+        row = {"step": step, "tokens": tokens, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50)),
+               "eval_bpb": nats / math.log(2) / eval_set.n_bytes, "eval_tokens": int(count)}
+        sample = generate_sample(step)
+        emit(row, f"eval step {step} | loss {loss:.4f} | ppl {row['eval_ppl']:.2f} | bpb {row['eval_bpb']:.4f} "
+                  f"| sample: {sample[:80]!r}")
+        eval_seconds += time.time() - t_eval
+        interval_start += time.time() - t_eval  # keep eval time out of the next interval's tokens/s
+        return row
+
+    def generate_sample(step: int) -> str:
+        ids = np.full((1, c.seq_len), eot_id(tokenizer), np.int32)
+        key = jax.random.PRNGKey(c.seed + step)
+        out_ids = np.asarray(sampler(state.params, ids, 1, key))[0, 1:]
+        text = tokenizer.decode(out_ids.tolist())
+        with open(os.path.join(out, "samples.txt"), "a") as f:
+            f.write(f"=== step {step}\n{text}\n\n")
+        return text
+
+    def save(step: int, tokens: int, epoch: int) -> None:
+        ckpt.save(step, state, {"step": step, "tokens": tokens, "epoch": epoch, "micro_step": micro})
+
+    # ---------------------------------------------------------------------------------------------
+    step = micro = tokens = 0
+    epoch = 0
+    last_eval: dict | None = None
+    losses: list = []
+    wait = eval_seconds = 0.0
+    compile_s = None
+    train_start = time.time()
+    interval_start, interval_wait, interval_tokens = time.time(), 0.0, 0
+    stop_reason = "epochs done"
+    done = False
+    for epoch in range(c.epochs):
+        batches = epoch_batches(epoch)
+        while not done:
+            t0 = time.perf_counter()
+            batch = next(batches, None)
+            dt = time.perf_counter() - t0
+            if batch is None:
+                break
+            wait += dt
+            interval_wait += dt
+            if c.max_steps:
+                progress = step / c.max_steps
+            elif c.max_time:
+                progress = (time.time() - start) / c.max_time
+            else:
+                progress = tokens / est_total_tokens if est_total_tokens else 0.0
+            lr = lr_at(progress, step, c.learning_rate, warmup)
+            state, m = train_step(state, batch, np.float32(lr))
+            losses.append(m["loss"])
+            micro += 1
+            if compile_s is None:
+                m["loss"].block_until_ready()
+                compile_s = time.time() - train_start
+                interval_start, interval_wait = time.time(), 0.0
+                log(f"[run] first step (compile) {compile_s:.1f}s")
+            if micro % c.gradient_accumulation_steps:
+                continue
+            step += 1
+            tokens += tokens_per_step
+            interval_tokens += tokens_per_step
+            if bar is not None:
+                bar.update(1)
+            if step % c.log_every == 0:
+                loss = float(jnp.mean(jnp.stack(losses)))  # the only host sync in the loop
+                losses = []
+                now = time.time()
+                tps = interval_tokens / max(now - interval_start, 1e-9)
+                row = {"step": step, "loss": loss, "lr": lr, "tokens": tokens, "tokens_per_sec": tps,
+                       "mfu": fpt * tps / peak_flops, "data_wait_frac": interval_wait / max(now - interval_start, 1e-9),
+                       "rss_mb": rss_mb(), "elapsed_s": now - start, "epoch": epoch}
+                emit(row, f"step {step:6d} | loss {loss:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s | mfu {row['mfu']:.1%} "
+                          f"| wait {row['data_wait_frac']:.1%} | rss {row['rss_mb']:,.0f} MB | {now - start:.0f}s")
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                if not math.isfinite(loss):
+                    stop_reason = f"non-finite loss at step {step}"
+                    done = True
+                interval_start, interval_wait, interval_tokens = now, 0.0, 0
+            if step % c.eval_every == 0:
+                last_eval = evaluate(step, tokens)
+            if step % c.checkpoint_every == 0:
+                save(step, tokens, epoch)
+            if c.max_steps and step >= c.max_steps:
+                stop_reason, done = f"--max-steps {c.max_steps}", True
+            elif c.max_time and time.time() - start >= c.max_time:
+                stop_reason, done = f"--max-time {c.max_time:g}s", True
+        if done:
+            break
+    train_seconds = time.time() - train_start - (compile_s or 0.0) - eval_seconds
+    if bar is not None:
+        bar.close()
+    if step == 0:
+        raise DatasetError(f"{source.name}: no complete optimizer step was possible; use more data or a smaller batch")
+    log(f"[run] stopped: {stop_reason}")
+    if last_eval is None or last_eval["step"] != step:
+        last_eval = evaluate(step, tokens)
+    if step % c.checkpoint_every:
+        save(step, tokens, epoch)
+    ckpt.close()
+    metrics.close()
+    trained_tokens = tokens - tokens_per_step / c.gradient_accumulation_steps  # first micro-step ran while compiling
+    summary = {
+        "eval_loss": last_eval["eval_loss"], "eval_ppl": last_eval["eval_ppl"], "eval_bpb": last_eval["eval_bpb"],
+        "params": n_params, "steps": step, "tokens": tokens, "epochs_started": epoch + 1,
+        "wall_time_s": time.time() - start, "train_time_s": train_seconds, "compile_time_s": compile_s,
+        "eval_time_s": eval_seconds,
+        "tokenizer_time_s": tok_seconds, "tokens_per_sec": trained_tokens / max(train_seconds, 1e-9),
+        "model_flops_per_token": fpt, "mfu": fpt * trained_tokens / max(train_seconds, 1e-9) / peak_flops,
+        "peak_flops": peak_flops, "data_wait_frac": wait / max(train_seconds, 1e-9),
+        "peak_rss_mb": peak_rss_mb(), "stop_reason": stop_reason, "output_dir": out,
+    }
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    log(f"[done] {step} steps, {tokens:,} tokens in {summary['wall_time_s']:.0f}s | eval loss {summary['eval_loss']:.4f} "
+        f"| bpb {summary['eval_bpb']:.4f} | {summary['tokens_per_sec']:,.0f} tok/s | mfu {summary['mfu']:.1%} "
+        f"| peak rss {summary['peak_rss_mb']:,.0f} MB | {out}")
+    return summary
+
+
+def _progress_bar(total: int | None):
+    """A tqdm bar on an interactive terminal; None (plain log lines) otherwise."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", dynamic_ncols=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = Config(**vars(args))
+    try:
+        train(config, start_time=_PROCESS_START)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Optimizer, train step, eval step and sampler: pure functions over explicit pytree state (jax/flax/optax only).
+
+The learning rate is an argument of the jitted step rather than an optax schedule, so the trainer can
+drive it by optimizer step *or* by the fraction of a --max-time budget spent; the update applied is
+exactly AdamW's:  p <- p - lr * (adam_direction(clip(g)) + weight_decay * p).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from model import Transformer, token_nll
+
+PyTree = Any
+
+
+@flax.struct.dataclass
+class TrainState:
+    micro_step: jax.Array  # micro-batches seen; optimizer step = micro_step // accumulation
+    params: PyTree
+    opt_state: PyTree
+
+
+def make_optimizer(
+    weight_decay: float = 0.1,
+    grad_clip: float = 1.0,
+    accumulation: int = 1,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+) -> optax.GradientTransformation:
+    """clip -> Adam direction -> decoupled weight decay (matrices only), wrapped in optax.MultiSteps.
+
+    The learning rate is applied by the train step. MultiSteps averages `accumulation` micro-batch
+    gradients and emits zero updates in between, so k micro-batches equal one batch k times as large.
+    """
+    parts = []
+    if grad_clip and grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(grad_clip))
+    parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+    if weight_decay:
+        parts.append(optax.add_decayed_weights(weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+    return optax.MultiSteps(optax.chain(*parts), every_k_schedule=accumulation)
+
+
+def lr_at(progress: float, step: int, peak: float, warmup_steps: int, final_frac: float = 0.1) -> float:
+    """Linear warmup over `warmup_steps` optimizer steps, then cosine from peak to final_frac * peak.
+
+    `progress` in [0, 1] is the fraction of the run done (by steps, tokens or wall time).
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    p = min(max(progress, 0.0), 1.0)
+    return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def init_state(params: PyTree, tx: optax.GradientTransformation) -> TrainState:
+    return TrainState(micro_step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def make_train_step(model: Transformer, tx: optax.GradientTransformation):
+    """jit(state, batch, lr) -> (state, metrics); the old state's buffers are donated."""
+
+    def loss_fn(params: PyTree, batch: dict) -> jax.Array:
+        return token_nll(model, params, batch["input_ids"], batch["targets"]).mean()
+
+    def step(state: TrainState, batch: dict, lr: jax.Array) -> tuple[TrainState, dict]:
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), state.params, updates)
+        new_state = TrainState(micro_step=state.micro_step + 1, params=params, opt_state=opt_state)
+        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def make_eval_step(model: Transformer):
+    """jit(params, ids, targets, mask) -> (sum of nats over mask, number of tokens)."""
+
+    def step(params: PyTree, ids: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+        nll = token_nll(model, params, ids, targets)
+        return jnp.sum(nll * mask), jnp.sum(mask)
+
+    return jax.jit(step)
+
+
+def make_sampler(model: Transformer, seq_len: int, temperature: float = 0.8, top_k: int = 40):
+    """jit(params, ids (1, seq_len), prompt_len, key) -> ids with positions >= prompt_len sampled.
+
+    No KV cache: each new token reruns the fixed-length window (causal, so padding to the right is
+    ignored). Cheap at the sizes this trainer samples at eval time.
+    """
+
+    def sample(params: PyTree, ids: jax.Array, prompt_len: jax.Array, key: jax.Array) -> jax.Array:
+        def body(pos, carry):
+            ids, key = carry
+            key, sub = jax.random.split(key)
+            logits = model.apply({"params": params}, ids)[0, pos - 1] / temperature
+            kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][-1]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+            token = jax.random.categorical(sub, logits).astype(ids.dtype)
+            return ids.at[0, pos].set(token), key
+
+        ids, _ = jax.lax.fori_loop(prompt_len, seq_len, body, (ids, key))
+        return ids
+
+    return jax.jit(sample)
