@@ -231,6 +231,8 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     skip_docs, heldout_docs = 0, None
     if eval_source is None:  # hold out the first documents (~6 chars/token covers --eval-tokens)
         heldout_docs, skip_docs = held_out_split(source, c.eval_tokens * 6)
+        if not heldout_docs:
+            raise DatasetError(f"{source.name}: the dataset has no documents (empty file or no text); check --dataset-id")
     tokenizer, tok_seconds = build_tokenizer(c, source, skip_docs, log)
     tokenizer.save(os.path.join(out, "tokenizer.json"))
     vocab = tokenizer.get_vocab_size()

@@ -1,0 +1,137 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from checkpointing import Checkpointer
+from model import Transformer, init_params
+from model_sizing import ModelShape
+from train_step import init_state, lr_at, make_eval_step, make_optimizer, make_sampler, make_train_step
+
+SHAPE = ModelShape(vocab_size=64, n_layers=2, d_model=32, n_heads=1, d_ff=96)
+L = 12
+
+
+def _batches(n, B, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, SHAPE.vocab_size, (n, B, L + 1)).astype(np.int32)
+    return [{"input_ids": jnp.asarray(b[:, :-1]), "targets": jnp.asarray(b[:, 1:])} for b in ids]
+
+
+def _run(batches, accumulation, lr=1e-2, **opt):
+    model = Transformer(SHAPE)
+    tx = make_optimizer(accumulation=accumulation, **opt)
+    state = init_state(init_params(model, 0, L), tx)
+    step = make_train_step(model, tx)
+    for b in batches:
+        state, _ = step(state, b, np.float32(lr))
+    return state
+
+
+def test_multisteps_k_micro_batches_equal_one_big_batch():
+    micro = _batches(8, 2)  # 2 optimizer steps of 4 micro-batches
+    big = [
+        {k: jnp.concatenate([m[k] for m in micro[i : i + 4]]) for k in micro[0]}
+        for i in (0, 4)
+    ]
+    # eps=1e-4: with Adam's tiny default eps, gradients that are ~0 up to float rounding give m/sqrt(v)
+    # of +-1 either way, so summation order (4 means vs 1 mean) would show up as noise, not as a bug.
+    acc = _run(micro, accumulation=4, eps=1e-4)
+    one = _run(big, accumulation=1, eps=1e-4)
+    moved = _run([], accumulation=1)
+    for a, b, c in zip(jax.tree.leaves(acc.params), jax.tree.leaves(one.params), jax.tree.leaves(moved.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+    assert any(not np.allclose(a, c) for a, c in zip(jax.tree.leaves(acc.params), jax.tree.leaves(moved.params)))
+
+
+def test_no_update_between_accumulation_boundaries():
+    model = Transformer(SHAPE)
+    tx = make_optimizer(accumulation=3)
+    state = init_state(init_params(model, 0, L), tx)
+    before = jax.tree.map(np.asarray, state.params)
+    step = make_train_step(model, tx)
+    for b in _batches(2, 2):
+        state, _ = step(state, b, np.float32(1e-2))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_update_matches_optax_adamw():
+    """clip off, constant lr: our composed optimizer is exactly optax.adamw with a matrix-only decay mask."""
+    batches = _batches(3, 2)
+    ours = _run(batches, accumulation=1, lr=3e-3, grad_clip=0.0, weight_decay=0.1)
+    model = Transformer(SHAPE)
+    params = init_params(model, 0, L)
+    tx = optax.adamw(3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+                     mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+    opt = tx.init(params)
+    from model import token_nll
+
+    for b in batches:
+        g = jax.grad(lambda p: token_nll(model, p, b["input_ids"], b["targets"]).mean())(params)
+        u, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, u)
+    for a, b in zip(jax.tree.leaves(ours.params), jax.tree.leaves(params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+def test_loss_falls_when_overfitting_one_batch():
+    model = Transformer(SHAPE)
+    tx = make_optimizer(accumulation=1)
+    state = init_state(init_params(model, 0, L), tx)
+    step = make_train_step(model, tx)
+    b = _batches(1, 4)[0]
+    losses = []
+    for _ in range(30):
+        state, m = step(state, b, np.float32(1e-2))
+        losses.append(float(m["loss"]))
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_lr_schedule_warmup_then_cosine():
+    assert lr_at(0.0, 0, 1.0, 10) == pytest.approx(0.1)
+    assert lr_at(0.0, 9, 1.0, 10) == pytest.approx(1.0)
+    assert lr_at(0.0, 10, 1.0, 10) == pytest.approx(1.0)
+    assert lr_at(0.5, 50, 1.0, 10) == pytest.approx(0.55)
+    assert lr_at(1.0, 99, 1.0, 10) == pytest.approx(0.1)
+    assert lr_at(2.0, 500, 1.0, 10) == pytest.approx(0.1)
+
+
+def test_eval_step_masks_padding():
+    model = Transformer(SHAPE)
+    params = init_params(model, 0, L)
+    b = _batches(1, 2)[0]
+    mask = np.ones((2, L), np.float32)
+    mask[1, 5:] = 0
+    total, count = make_eval_step(model)(params, b["input_ids"], b["targets"], mask)
+    assert float(count) == L + 5
+    from model import token_nll
+
+    nll = np.asarray(token_nll(model, params, b["input_ids"], b["targets"]))
+    assert float(total) == pytest.approx(nll[0].sum() + nll[1, :5].sum(), rel=1e-5)
+
+
+def test_sampler_keeps_prompt_and_fills_the_rest_deterministically():
+    model = Transformer(SHAPE)
+    params = init_params(model, 0, L)
+    sample = make_sampler(model, L)
+    ids = np.zeros((1, L), np.int32)
+    ids[0, :3] = [5, 6, 7]
+    a = np.asarray(sample(params, ids, 3, jax.random.PRNGKey(1)))
+    b = np.asarray(sample(params, ids, 3, jax.random.PRNGKey(1)))
+    assert (a[0, :3] == [5, 6, 7]).all() and (a == b).all()
+    assert ((a[0, 3:] >= 0) & (a[0, 3:] < SHAPE.vocab_size)).all()
+
+
+def test_checkpoint_round_trip_is_bit_exact(tmp_path):
+    state = _run(_batches(3, 2), accumulation=2)
+    ck = Checkpointer(str(tmp_path / "ck"))
+    ck.save(3, state, {"step": 3, "tokens": 72})
+    ck.wait()
+    restored, meta = ck.restore(jax.eval_shape(lambda: state))
+    ck.close()
+    assert meta == {"step": 3, "tokens": 72}
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.tree.structure(state) == jax.tree.structure(restored)
