@@ -277,9 +277,9 @@ def _read_txt(path: str, chunk_bytes: int = 1 << 20) -> Iterator[str]:
 
 def _read_json(path: str, text_column: str | None) -> Iterator[str]:
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
     if head[:1] == b"[":  # a JSON array: cannot be streamed with the standard library
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: drop a byte-order mark
             try:
                 rows = json.load(f)
             except json.JSONDecodeError as e:
@@ -287,7 +287,7 @@ def _read_json(path: str, text_column: str | None) -> Iterator[str]:
         yield from _rows_text(rows, text_column, path)
         return
     column = None
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -334,7 +334,7 @@ def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
 
 def _read_csv(path: str, text_column: str | None) -> Iterator[str]:
     csv.field_size_limit(sys.maxsize)
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:  # a BOM would rename column 1
         reader = csv.DictReader(f)
         column = None
         for row in reader:
@@ -382,13 +382,11 @@ def builtin_corpus(max_bytes: int = 2_200_000) -> ListSource:
 def encode_documents(tokenizer, docs: Sequence[str], eot: int) -> np.ndarray:
     """Tokenize documents with one `encode_batch` call; each document is followed by `eot`."""
     encodings = tokenizer.encode_batch(list(docs), add_special_tokens=False)
-    lengths = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
-    out = np.full(int(lengths.sum()), eot, dtype=np.int32)
-    ends = np.cumsum(lengths) - 1
-    starts = ends - lengths + 1
-    for e, s, t in zip(encodings, starts, ends):
-        out[s:t] = e.ids
-    return out
+    flat: list[int] = []
+    for e in encodings:  # `e.ids` builds a new Python list on every access: read it once
+        flat.extend(e.ids)
+        flat.append(eot)
+    return np.array(flat, dtype=np.int32)
 
 
 def pack_rows(tokens: np.ndarray, seq_len: int, stride: int, n_rows: int | None = None) -> tuple[np.ndarray, int]:

@@ -130,6 +130,7 @@ class StreamingDataLoader:
 
     def _batches(self, epoch: int) -> Iterator[Batch]:
         self.documents_read = self.tokens_read = 0
+        self.max_buffered_documents = self.max_carry_tokens = 0
         rng = np.random.default_rng([self.seed, epoch])
         L, B, stride = self.seq_len, self.batch_size, self.stride
         carry = np.zeros(0, np.int32)
@@ -176,20 +177,26 @@ def _prefetched(gen: Iterator[Batch], depth: int) -> Iterator[Batch]:
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def put(item) -> bool:
+        """Queue `item` unless the consumer has gone away (then a blocking put would never return)."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
     def worker() -> None:
         try:
             for item in gen:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
-                if stop.is_set():
+                if not put(item):
                     return
-            q.put(_END)
+            put(_END)
         except BaseException as e:  # handed to the consumer, which re-raises it
-            q.put(e)
+            put(e)
+        finally:
+            gen.close()  # release the source (open files, hub streams) now, in this thread
 
     thread = threading.Thread(target=worker, name="data-prefetch", daemon=True)
     thread.start()
