@@ -374,7 +374,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
                 m["loss"].block_until_ready()
                 compile_s = time.time() - train_start
                 interval_start, interval_wait = time.time(), 0.0
-                log(f"[run] first step (compile) {compile_s:.1f}s")
+                (bar.write if bar is not None else log)(f"[run] first step (compile) {compile_s:.1f}s")
             if micro % c.gradient_accumulation_steps:
                 continue
             step += 1

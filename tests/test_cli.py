@@ -132,3 +132,13 @@ def test_bad_input_exit_code_and_no_traceback_in_a_real_process(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
     assert "--dataset-id" in proc.stderr and "no such file" in proc.stderr
+
+
+def test_readme_flag_table_lists_every_flag():
+    import dataclasses
+
+    from train_optimized import Config
+
+    readme = (ROOT / "README.md").read_text()
+    for f in dataclasses.fields(Config):
+        assert f"| `--{f.name.replace('_', '-')}` |" in readme, f.name
