@@ -1,0 +1,184 @@
+"""Train-step speed on CPU: model FLOP/s at the nanoGPT "baby" shape, and streaming-loader overhead.
+
+    .venv/bin/python bench/train_speed.py                # both shapes, fixed batch + real loader
+    .venv/bin/python bench/train_speed.py --no-loader    # fixed-batch step speed only
+    .venv/bin/python bench/train_speed.py --no-cpu-flags # without cpu_flags' XLA flags
+
+(a) Fixed in-memory batch: the jitted AdamW train step (train_step.make_optimizer / make_train_step, lr as a
+    np.float32 argument, donated state) -> ms/step, tokens/s, model FLOP/s = 6 * N * tokens/s (N =
+    model_sizing.count_params), MFU against a measured 2048^3 float32 matmul, and the ratio to nanoGPT's
+    64 GFLOP/s (PyTorch eager, same machine, baby shape: 4 layers, d_model 128, 4 heads, seq 64, batch 12).
+(b) The same step fed by the real StreamingDataLoader (tinyshakespeare_train.txt, byte-level BPE trained
+    with tokenizer_utils.train_bpe, prefetch=2, default shuffle buffer), epochs chained as the trainer does,
+    against the fixed batch: tokens/s ratio (goal >= 0.97) and the fraction of wall time spent waiting in
+    next(loader).
+
+Every figure is the best of --reps windows of >= --window seconds each; fixed and loader windows alternate
+so that both see the same machine state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+NANOGPT_GFLOPS = 64.0
+DATA = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare_train.txt")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--window", type=float, default=3.0, help="seconds per measurement window")
+    p.add_argument("--reps", type=int, default=3, help="windows per measurement (best is kept)")
+    p.add_argument("--no-loader", action="store_true", help="skip the real-loader comparison")
+    p.add_argument("--no-cpu-flags", action="store_true", help="do not apply cpu_flags (XLA flags)")
+    p.add_argument("--shapes", default="baby,1M", help="comma list of: baby, 1M")
+    p.add_argument("--data", default=DATA, help="text file for the loader")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 compute (mixed precision)")
+    return p.parse_args()
+
+
+args = parse_args()
+if not args.no_cpu_flags:
+    try:
+        import cpu_flags
+
+        cpu_flags.apply()
+    except ImportError:
+        pass
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from model import Transformer, init_params  # noqa: E402
+from model_sizing import ModelShape, choose_shape, count_params, flops_per_token  # noqa: E402
+from run_metrics import measure_matmul_flops  # noqa: E402
+from train_step import init_state, make_optimizer, make_train_step  # noqa: E402
+
+
+def build(shape: ModelShape, seq_len: int, dtype):
+    model = Transformer(shape, dtype=dtype)
+    params = init_params(model, 0, seq_len)
+    assert sum(x.size for x in jax.tree.leaves(params)) == count_params(shape), "param count mismatch"
+    tx = make_optimizer()
+    return init_state(params, tx), make_train_step(model, tx)
+
+
+def run_window(state, step, batches, n: int, lr):
+    """n steps; returns (state, seconds, seconds waiting for batches)."""
+    wait = 0.0
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = time.perf_counter()
+        batch = next(batches)
+        wait += time.perf_counter() - t
+        state, m = step(state, batch, lr)
+    jax.block_until_ready(m["loss"])
+    return state, time.perf_counter() - t0, wait
+
+
+def forever(x):
+    while True:
+        yield x
+
+
+def loader_stream(loader):
+    epoch = 0
+    while True:
+        yield from loader.iter_epoch(epoch)
+        epoch += 1
+
+
+def bench_shape(label, shape, seq_len, batch_size, tokenizer, peak):
+    dtype = jnp.bfloat16 if args.bf16 else jnp.float32
+    state, step = build(shape, seq_len, dtype)
+    n_params = count_params(shape)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, shape.vocab_size, (batch_size, seq_len + 1)).astype(np.int32)
+    fixed = {"input_ids": ids[:, :-1], "targets": ids[:, 1:]}
+    lr = np.float32(1e-3)
+    t = time.perf_counter()
+    state, m = step(state, fixed, lr)
+    jax.block_until_ready(m["loss"])
+    compile_s = time.perf_counter() - t
+    state, dt, _ = run_window(state, step, forever(fixed), 10, lr)  # warm up, estimate the step time
+    n = max(20, math.ceil(args.window / (dt / 10)))
+
+    stream = None
+    if tokenizer is not None:
+        from streaming_data_loader import StreamingDataLoader
+
+        loader = StreamingDataLoader(args.data, tokenizer, seq_len=seq_len, batch_size=batch_size, prefetch=2)
+        stream = loader_stream(loader)
+        state, _, _ = run_window(state, step, stream, 10, lr)  # start the pipeline
+    best_fixed, best_loader, best_wait = float("inf"), float("inf"), 1.0
+    for _ in range(args.reps):
+        state, dt, _ = run_window(state, step, forever(fixed), n, lr)
+        best_fixed = min(best_fixed, dt)
+        if stream is not None:
+            state, dt, wait = run_window(state, step, stream, n, lr)
+            if dt < best_loader:
+                best_loader, best_wait = dt, wait / dt
+    tokens = n * batch_size * seq_len
+    tps = tokens / best_fixed
+    row = {
+        "label": label, "params": n_params, "shape": shape, "seq": seq_len, "batch": batch_size, "steps": n,
+        "compile_s": compile_s, "ms_step": 1e3 * best_fixed / n, "tok_s": tps,
+        "gflops": 6 * n_params * tps / 1e9, "gflops_attn": flops_per_token(shape, seq_len) * tps / 1e9,
+    }
+    row["mfu"] = row["gflops"] * 1e9 / peak
+    if stream is not None:
+        row["loader_tok_s"] = tokens / best_loader
+        row["loader_ratio"] = best_fixed / best_loader
+        row["wait"] = best_wait
+    return row
+
+
+def main() -> None:
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cpus; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; dtype {'bf16' if args.bf16 else 'fp32'}")
+    peak = max(measure_matmul_flops() for _ in range(3))
+    print(f"peak (2048^3 fp32 matmul, best of 3): {peak / 1e9:.1f} GFLOP/s")
+    configs = {
+        "baby": (lambda v: ModelShape(v, 4, 128, 4, 352), 512, 64, 12),
+        "1M": (lambda v: choose_shape(1_000_000, v), 1024, 128, 32),
+    }
+    rows = []
+    for label in args.shapes.split(","):
+        make_shape, vocab, seq_len, batch_size = configs[label]
+        tokenizer = None
+        if not args.no_loader:
+            from hf_dataset_loader import read_file
+            from tokenizer_utils import train_bpe
+
+            tokenizer = train_bpe(read_file(args.data), vocab)
+            vocab = tokenizer.get_vocab_size()
+        shape = make_shape(vocab)
+        row = bench_shape(label, shape, seq_len, batch_size, tokenizer, peak)
+        rows.append(row)
+        print(f"  {label}: {row['ms_step']:.2f} ms/step, {row['gflops']:.1f} GFLOP/s "
+              f"(compile {row['compile_s']:.1f}s, {row['steps']} steps/window)", flush=True)
+
+    print()
+    print("| shape | params | seq x batch | ms/step | tokens/s | GFLOP/s (6N) | GFLOP/s (6N+attn) | MFU "
+          "| vs nanoGPT 64 | loader tok/s | loader/fixed | data wait |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        s = r["shape"]
+        loader = (f"{r['loader_tok_s']:,.0f} | {r['loader_ratio']:.3f} | {r['wait']:.1%}"
+                  if "loader_ratio" in r else "- | - | -")
+        print(f"| {r['label']} ({s.n_layers}x{s.d_model}, {s.n_heads}h, ff {s.d_ff}, V {s.vocab_size}) "
+              f"| {r['params']:,} | {r['seq']}x{r['batch']} | {r['ms_step']:.2f} | {r['tok_s']:,.0f} "
+              f"| {r['gflops']:.1f} | {r['gflops_attn']:.1f} | {r['mfu']:.1%} | {r['gflops'] / NANOGPT_GFLOPS:.2f}x "
+              f"| {loader} |")
+
+
+if __name__ == "__main__":
+    main()
