@@ -86,6 +86,7 @@ class Config:
     log_every: int = field(default=10, metadata={"help": "Log a metrics row every N optimizer steps"})
     checkpoint_every: int = field(default=1000, metadata={"help": "Save a checkpoint every N optimizer steps, and at the end"})
     output_dir: str | None = field(default=None, metadata={"help": "Where outputs go (default: a new folder under runs/)"})
+    cpu_devices: int | None = field(default=None, metadata={"help": "CPU only: host devices to split each batch over (default: one per core, at most 8; see devices.py)"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(c: Config) -> None:
     positive = ["batch_size", "gradient_accumulation_steps", "target_params", "epochs", "eval_every", "eval_tokens",
                 "log_every", "checkpoint_every", "max_steps", "max_time", "learning_rate", "vocab_size",
-                "n_layers", "d_model", "n_heads", "max_examples"]
+                "n_layers", "d_model", "n_heads", "max_examples", "cpu_devices"]
     for name in positive:
         v = getattr(c, name)
         if v is not None and not v > 0:
@@ -263,16 +264,24 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from devices import configure_cpu_devices, data_mesh, needs_step_sync, shardings
+
+    configure_cpu_devices(c.cpu_devices)
     from checkpointing import Checkpointer
     from model import Transformer, init_params
     from train_step import init_state, lr_at, make_eval_step, make_optimizer, make_sampler, make_train_step
 
-    device = jax.devices()[0]
+    mesh = data_mesh(c.batch_size)
+    replicated, batch_sharded = shardings(mesh)
+    sync_each_step = needs_step_sync(mesh)
+    device = mesh.devices.flat[0]
     peak_flops, peak_source = device_peak_flops(device)
+    if device.platform != "cpu":  # accelerators: the table's peak is per device
+        peak_flops *= mesh.devices.size
     dtype = jnp.bfloat16 if c.use_mixed_precision else jnp.float32
     model = Transformer(shape, dtype=dtype, remat=c.gradient_checkpointing)
     tx = make_optimizer(c.weight_decay, c.grad_clip, c.gradient_accumulation_steps)
-    state = init_state(init_params(model, c.seed, c.seq_len), tx)
+    state = jax.device_put(init_state(init_params(model, c.seed, c.seq_len), tx), replicated)
     train_step, eval_step = make_train_step(model, tx), make_eval_step(model)
     sampler = make_sampler(model, c.seq_len)
     assert sum(x.size for x in jax.tree.leaves(state.params)) == n_params
@@ -286,11 +295,13 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     resolved = {**dataclasses.asdict(c), "output_dir": out, "dataset": source.name, "eval_dataset": eval_set.name,
                 "vocab_size": vocab, "stride": c.stride or c.seq_len, "warmup_steps": warmup,
                 "model": shape.to_dict(), "params": n_params, "model_flops_per_token": fpt,
-                "held_out_documents": skip_docs, "device": str(device), "jax_version": jax.__version__}
+                "held_out_documents": skip_docs, "device": str(device), "devices": int(mesh.devices.size),
+                "jax_version": jax.__version__}
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(resolved, f, indent=2)
     log(f"[model] {describe(shape, c.seq_len)}")
-    log(f"[run] {device.platform} peak {peak_flops / 1e9:,.0f} GFLOP/s ({peak_source}); "
+    log(f"[run] {mesh.devices.size} {device.platform} device(s), data-parallel over the batch; "
+        f"peak {peak_flops / 1e9:,.0f} GFLOP/s ({peak_source}); "
         f"{tokens_per_step:,} tokens/step; eval on {eval_set.name}: {int(eval_set.mask.sum()):,} tokens; out {out}")
 
     metrics = MetricsLog(os.path.join(out, "metrics.jsonl"), echo=None)
@@ -315,7 +326,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
                 pad = B - len(x)
                 x, y = np.pad(x, ((0, pad), (0, 0))), np.pad(y, ((0, pad), (0, 0)))
                 m = np.pad(m, ((0, pad), (0, 0)))
-            s, n = eval_step(state.params, x, y, m)
+            s, n = eval_step(state.params, *jax.device_put((x, y, m), batch_sharded))
             nats, count = nats + float(s), count + float(n)
         loss = nats / count
         row = {"step": step, "tokens": tokens, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50)),
@@ -367,7 +378,9 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
             else:
                 progress = tokens / est_total_tokens if est_total_tokens else 0.0
             lr = lr_at(progress, step, c.learning_rate, warmup)
-            state, m = train_step(state, batch, np.float32(lr))
+            state, m = train_step(state, jax.device_put(batch, batch_sharded), np.float32(lr))
+            if sync_each_step:  # see devices.py: multi-device CPU must not run ahead
+                m["loss"].block_until_ready()
             losses.append(m["loss"])
             micro += 1
             if compile_s is None:

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/train_speed.py                # both shapes, fixed batch + real loader
     .venv/bin/python bench/train_speed.py --no-loader    # fixed-batch step speed only
-    .venv/bin/python bench/train_speed.py --no-cpu-flags # without cpu_flags' XLA flags
+    .venv/bin/python bench/train_speed.py --cpu-devices 1  # one host device only
 
 (a) Fixed in-memory batch: the jitted AdamW train step (train_step.make_optimizer / make_train_step, lr as a
     np.float32 argument, donated state) -> ms/step, tokens/s, model FLOP/s = 6 * N * tokens/s (N =
@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--window", type=float, default=3.0, help="seconds per measurement window")
     p.add_argument("--reps", type=int, default=3, help="windows per measurement (best is kept)")
     p.add_argument("--no-loader", action="store_true", help="skip the real-loader comparison")
-    p.add_argument("--no-cpu-flags", action="store_true", help="do not apply cpu_flags (XLA flags)")
+    p.add_argument("--cpu-devices", type=int, default=None, help="host devices (default: as the trainer, one per core)")
     p.add_argument("--shapes", default="baby,1M", help="comma list of: baby, 1M")
     p.add_argument("--data", default=DATA, help="text file for the loader")
     p.add_argument("--bf16", action="store_true", help="bfloat16 compute (mixed precision)")
@@ -45,15 +45,12 @@ def parse_args() -> argparse.Namespace:
 
 
 args = parse_args()
-if not args.no_cpu_flags:
-    try:
-        import cpu_flags
-
-        cpu_flags.apply()
-    except ImportError:
-        pass
 
 import jax  # noqa: E402
+
+from devices import configure_cpu_devices, data_mesh, needs_step_sync, shardings  # noqa: E402
+
+configure_cpu_devices(args.cpu_devices)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -63,12 +60,22 @@ from run_metrics import measure_matmul_flops  # noqa: E402
 from train_step import init_state, make_optimizer, make_train_step  # noqa: E402
 
 
-def build(shape: ModelShape, seq_len: int, dtype):
+def build(shape: ModelShape, seq_len: int, dtype, mesh):
+    """State replicated over the mesh and a step that feeds it as the trainer does."""
     model = Transformer(shape, dtype=dtype)
     params = init_params(model, 0, seq_len)
     assert sum(x.size for x in jax.tree.leaves(params)) == count_params(shape), "param count mismatch"
     tx = make_optimizer()
-    return init_state(params, tx), make_train_step(model, tx)
+    replicated, batch_sharded = shardings(mesh)
+    train_step, sync = make_train_step(model, tx), needs_step_sync(mesh)
+
+    def step(state, batch, lr):
+        state, m = train_step(state, jax.device_put(batch, batch_sharded), lr)
+        if sync:
+            m["loss"].block_until_ready()
+        return state, m
+
+    return jax.device_put(init_state(params, tx), replicated), step
 
 
 def run_window(state, step, batches, n: int, lr):
@@ -96,9 +103,10 @@ def loader_stream(loader):
         epoch += 1
 
 
-def bench_shape(label, shape, seq_len, batch_size, tokenizer, peak):
+def bench_shape(label, shape, seq_len, batch_size, tokenizer, peak, max_devices=None):
     dtype = jnp.bfloat16 if args.bf16 else jnp.float32
-    state, step = build(shape, seq_len, dtype)
+    mesh = data_mesh(batch_size, max_devices)
+    state, step = build(shape, seq_len, dtype, mesh)
     n_params = count_params(shape)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, shape.vocab_size, (batch_size, seq_len + 1)).astype(np.int32)
@@ -129,7 +137,7 @@ def bench_shape(label, shape, seq_len, batch_size, tokenizer, peak):
     tokens = n * batch_size * seq_len
     tps = tokens / best_fixed
     row = {
-        "label": label, "params": n_params, "shape": shape, "seq": seq_len, "batch": batch_size, "steps": n,
+        "label": label, "devices": int(mesh.devices.size), "params": n_params, "shape": shape, "seq": seq_len, "batch": batch_size, "steps": n,
         "compile_s": compile_s, "ms_step": 1e3 * best_fixed / n, "tok_s": tps,
         "gflops": 6 * n_params * tps / 1e9, "gflops_attn": flops_per_token(shape, seq_len) * tps / 1e9,
     }
@@ -142,8 +150,8 @@ def bench_shape(label, shape, seq_len, batch_size, tokenizer, peak):
 
 
 def main() -> None:
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cpus; "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; dtype {'bf16' if args.bf16 else 'fp32'}")
+    print(f"jax {jax.__version__} on {len(jax.devices())} {jax.devices()[0].platform} device(s), "
+          f"{os.cpu_count()} cpus; dtype {'bf16' if args.bf16 else 'fp32'}")
     peak = max(measure_matmul_flops() for _ in range(3))
     print(f"peak (2048^3 fp32 matmul, best of 3): {peak / 1e9:.1f} GFLOP/s")
     configs = {
@@ -161,21 +169,22 @@ def main() -> None:
             tokenizer = train_bpe(read_file(args.data), vocab)
             vocab = tokenizer.get_vocab_size()
         shape = make_shape(vocab)
-        row = bench_shape(label, shape, seq_len, batch_size, tokenizer, peak)
-        rows.append(row)
-        print(f"  {label}: {row['ms_step']:.2f} ms/step, {row['gflops']:.1f} GFLOP/s "
-              f"(compile {row['compile_s']:.1f}s, {row['steps']} steps/window)", flush=True)
+        for max_devices in sorted({1, len(jax.devices())}):
+            row = bench_shape(label, shape, seq_len, batch_size, tokenizer, peak, max_devices)
+            rows.append(row)
+            print(f"  {label} on {row['devices']} device(s): {row['ms_step']:.2f} ms/step, {row['gflops']:.1f} GFLOP/s "
+                  f"(compile {row['compile_s']:.1f}s, {row['steps']} steps/window)", flush=True)
 
     print()
-    print("| shape | params | seq x batch | ms/step | tokens/s | GFLOP/s (6N) | GFLOP/s (6N+attn) | MFU "
+    print("| shape | devices | params | seq x batch | ms/step | tokens/s | GFLOP/s (6N) | GFLOP/s (6N+attn) | MFU "
           "| vs nanoGPT 64 | loader tok/s | loader/fixed | data wait |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["shape"]
         loader = (f"{r['loader_tok_s']:,.0f} | {r['loader_ratio']:.3f} | {r['wait']:.1%}"
                   if "loader_ratio" in r else "- | - | -")
         print(f"| {r['label']} ({s.n_layers}x{s.d_model}, {s.n_heads}h, ff {s.d_ff}, V {s.vocab_size}) "
-              f"| {r['params']:,} | {r['seq']}x{r['batch']} | {r['ms_step']:.2f} | {r['tok_s']:,.0f} "
+              f"| {r['devices']} | {r['params']:,} | {r['seq']}x{r['batch']} | {r['ms_step']:.2f} | {r['tok_s']:,.0f} "
               f"| {r['gflops']:.1f} | {r['gflops_attn']:.1f} | {r['mfu']:.1%} | {r['gflops'] / NANOGPT_GFLOPS:.2f}x "
               f"| {loader} |")
 
