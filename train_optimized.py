@@ -32,7 +32,15 @@ from hf_dataset_loader import (
     prepare_sequences,
     resolve_source,
 )
-from model_sizing import SizingError, choose_shape, count_params, default_vocab_size, describe, flops_per_token
+from model_sizing import (
+    SizingError,
+    choose_shape,
+    count_params,
+    default_learning_rate,
+    default_vocab_size,
+    describe,
+    flops_per_token,
+)
 from run_metrics import MetricsLog, device_peak_flops, peak_rss_mb, rss_mb
 from streaming_data_loader import StreamingDataLoader
 from tokenizer_utils import TokenizerError, eot_id, load_tokenizer, token_byte_lengths, train_bpe
@@ -69,14 +77,14 @@ class Config:
     # optimisation
     batch_size: int = field(default=32, metadata={"help": "Sequences per micro-batch"})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step (optax.MultiSteps)"})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Peak AdamW learning rate"})
+    learning_rate: float | None = field(default=None, metadata={"help": "Peak AdamW learning rate (default: 6e-4 * sqrt(125M / params), at most 1e-2)"})
     warmup_steps: int = field(default=100, metadata={"help": "Linear warmup (optimizer steps; capped at 20%% of --max-steps)"})
     weight_decay: float = field(default=0.1, metadata={"help": "Decoupled weight decay on matrices"})
     grad_clip: float = field(default=1.0, metadata={"help": "Clip gradients to this global norm (0: off)"})
     use_mixed_precision: bool = field(default=False, metadata={"help": "bfloat16 compute with float32 master weights"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute each block's activations in the backward pass (less memory, ~30%% more compute)"})
     # length of the run
-    epochs: int = field(default=1, metadata={"help": "Passes over the data, reshuffled each epoch"})
+    epochs: int | None = field(default=None, metadata={"help": "Passes over the data, reshuffled each epoch (default: repeat until --max-steps/--max-time, else 1)"})
     max_steps: int | None = field(default=None, metadata={"help": "Stop after this many optimizer steps"})
     max_time: float | None = field(default=None, metadata={"help": "Wall-clock budget in seconds from process start: train until spent, then eval and save"})
     seed: int = field(default=0, metadata={"help": "Seed for init, shuffling and sampling"})
@@ -239,6 +247,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     vocab = tokenizer.get_vocab_size()
     shape = choose_shape(c.target_params, vocab, c.n_layers, c.d_model, c.n_heads)
     n_params = count_params(shape)
+    c.learning_rate = c.learning_rate or default_learning_rate(n_params)
 
     if eval_source is not None:
         whole = c.eval_dataset_id is not None
@@ -290,7 +299,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     tokens_per_step = c.batch_size * c.seq_len * c.gradient_accumulation_steps
     est_total_tokens = None
     if c.max_steps is None and c.max_time is None and source.size_bytes:
-        est_total_tokens = c.epochs * source.size_bytes / max(eval_set.n_bytes / eval_set.mask.sum(), 1.0)
+        est_total_tokens = (c.epochs or 1) * source.size_bytes / max(eval_set.n_bytes / eval_set.mask.sum(), 1.0)
 
     resolved = {**dataclasses.asdict(c), "output_dir": out, "dataset": source.name, "eval_dataset": eval_set.name,
                 "vocab_size": vocab, "stride": c.stride or c.seq_len, "warmup_steps": warmup,
@@ -361,7 +370,8 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     interval_start, interval_wait, interval_tokens = time.time(), 0.0, 0
     stop_reason = "epochs done"
     done = False
-    for epoch in range(c.epochs):
+    epochs = c.epochs or (10**9 if (c.max_steps or c.max_time) else 1)
+    for epoch in range(epochs):
         batches = epoch_batches(epoch)
         while not done:
             t0 = time.perf_counter()
