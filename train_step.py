@@ -75,7 +75,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), state.params, updates)
         new_state = TrainState(micro_step=state.micro_step + 1, params=params, opt_state=opt_state)
-        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return jax.jit(step, donate_argnums=0)
 
