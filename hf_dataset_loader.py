@@ -113,13 +113,7 @@ class HubDataset(TextSource):
         ds = self._load(self.split)
         if shuffle_seed is not None and self.streaming:
             ds = ds.shuffle(seed=shuffle_seed, buffer_size=1)  # shard order only; our buffer does the rest
-        column = None
-        for row in ds:
-            if column is None:
-                column = pick_text_column(list(row.keys()), self.text_column, f"--dataset-id {self.name}", row)
-            text = row[column]
-            if isinstance(text, str):
-                yield text
+        yield from _texts(ds, self.text_column, f"--dataset-id {self.name}")
 
     def validation(self) -> TextSource | None:
         import datasets
@@ -275,6 +269,19 @@ def _read_txt(path: str, chunk_bytes: int = 1 << 20) -> Iterator[str]:
                 return
 
 
+def _texts(rows: Iterable, text_column: str | None, where: str) -> Iterator[str]:
+    """Non-blank strings of the text column of dict rows; the column is picked on the first row."""
+    column = None
+    for row in rows:
+        if not isinstance(row, dict):
+            raise DatasetError(f"{where}: expected a JSON object per row, got {type(row).__name__}")
+        if column is None:
+            column = pick_text_column(list(row), text_column, where, row)
+        text = row.get(column)
+        if isinstance(text, str) and text.strip():
+            yield text
+
+
 def _read_json(path: str, text_column: str | None) -> Iterator[str]:
     with open(path, "rb") as f:
         head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
@@ -284,36 +291,20 @@ def _read_json(path: str, text_column: str | None) -> Iterator[str]:
                 rows = json.load(f)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}: invalid JSON ({e}); fix the file or convert it to JSON Lines")
-        yield from _rows_text(rows, text_column, path)
+        yield from _texts(rows, text_column, path)
         return
-    column = None
+    yield from _texts(_jsonl_rows(path), text_column, path)
+
+
+def _jsonl_rows(path: str) -> Iterator:
     with open(path, encoding="utf-8-sig", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}:{lineno}: malformed JSON line ({e.msg}); fix or remove that line")
-            if not isinstance(row, dict):
-                raise DatasetError(f"{path}:{lineno}: expected a JSON object per line")
-            if column is None:
-                column = pick_text_column(list(row), text_column, path, row)
-            text = row.get(column)
-            if isinstance(text, str) and text.strip():
-                yield text
-
-
-def _rows_text(rows: Iterable[dict], text_column: str | None, path: str) -> Iterator[str]:
-    column = None
-    for row in rows:
-        if not isinstance(row, dict):
-            raise DatasetError(f"{path}: expected a list of JSON objects")
-        if column is None:
-            column = pick_text_column(list(row), text_column, path, row)
-        text = row.get(column)
-        if isinstance(text, str) and text.strip():
-            yield text
 
 
 def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
@@ -335,14 +326,7 @@ def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
 def _read_csv(path: str, text_column: str | None) -> Iterator[str]:
     csv.field_size_limit(sys.maxsize)
     with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:  # a BOM would rename column 1
-        reader = csv.DictReader(f)
-        column = None
-        for row in reader:
-            if column is None:
-                column = pick_text_column(list(row), text_column, path, row)
-            text = row.get(column)
-            if text and text.strip():
-                yield text
+        yield from _texts(csv.DictReader(f), text_column, path)
 
 
 # ----------------------------------------------------------------------------------------------

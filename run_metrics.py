@@ -7,7 +7,6 @@ import os
 import resource
 import sys
 import time
-from typing import IO
 
 # Dense bf16 peak FLOP/s per device from vendor datasheets (no sparsity).
 PUBLISHED_PEAK_FLOPS = {
@@ -111,16 +110,13 @@ def measure_matmul_flops(n: int = 2048, reps: int = 3) -> float:
 
 
 class MetricsLog:
-    """Appends JSON rows to metrics.jsonl; echoes a one-line summary when not drawing a progress bar."""
+    """Appends one JSON object per line to metrics.jsonl (line-buffered, so a crash loses at most a row)."""
 
-    def __init__(self, path: str, echo: IO | None = sys.stdout):
+    def __init__(self, path: str):
         self.file = open(path, "a", buffering=1)
-        self.echo = echo
 
-    def write(self, row: dict, line: str | None = None) -> None:
+    def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
-        if line and self.echo is not None:
-            print(line, file=self.echo, flush=True)
 
     def close(self) -> None:
         self.file.close()

@@ -313,7 +313,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
         f"peak {peak_flops / 1e9:,.0f} GFLOP/s ({peak_source}); "
         f"{tokens_per_step:,} tokens/step; eval on {eval_set.name}: {int(eval_set.mask.sum()):,} tokens; out {out}")
 
-    metrics = MetricsLog(os.path.join(out, "metrics.jsonl"), echo=None)
+    metrics = MetricsLog(os.path.join(out, "metrics.jsonl"))
     ckpt = Checkpointer(os.path.join(out, "checkpoints"))
     bar = _progress_bar(c.max_steps)
 
