@@ -142,3 +142,20 @@ def test_readme_flag_table_lists_every_flag():
     readme = (ROOT / "README.md").read_text()
     for f in dataclasses.fields(Config):
         assert f"| `--{f.name.replace('_', '-')}` |" in readme, f.name
+
+
+def test_max_time_stops_then_evaluates_and_saves(tmp_path, data_dir, monkeypatch):
+    """A wall-clock budget: training stops once it is spent, then evaluates, checkpoints and summarises."""
+    import time
+
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "timed"
+    summary = train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True,
+                           target_params=150_000, seq_len=64, batch_size=8, eval_tokens=2048, max_time=1.0,
+                           log_every=1, output_dir=str(out)), start_time=time.time(), log=lambda *_: None)
+    assert summary["stop_reason"] == "--max-time 1s"
+    assert summary["steps"] >= 1 and summary["steps"] < 10_000  # repeated the data until the budget, not 1 epoch
+    assert summary["eval_loss"] > 0 and (out / "summary.json").exists()
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()] == [str(summary["steps"])]
