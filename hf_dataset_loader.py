@@ -1,6 +1,8 @@
 """Dataset sources (Hugging Face hub, local files, a built-in offline corpus) and the original full-load path.
 
-A source is anything with `documents(shuffle_seed=None) -> Iterator[str]`: one pass over the documents.
+A source is anything with `documents(shuffle_seed=None, skip_head=0) -> Iterator[str]`: one pass over the
+documents, leaving out the first `skip_head` of them in the source's natural (unshuffled) order, which is
+how the trainer holds out an eval slice that shuffling can never bring back into training.
 Local files are read incrementally (never whole into memory, except a `.json` array file), so the
 streaming loader's memory does not grow with the dataset.
 
@@ -19,6 +21,7 @@ import ast
 import codecs
 import csv
 import glob
+import itertools
 import json
 import os
 import random
@@ -50,7 +53,7 @@ class DatasetError(ValueError):
 class TextSource:
     name: str
 
-    def documents(self, shuffle_seed: int | None = None) -> Iterator[str]:
+    def documents(self, shuffle_seed: int | None = None, skip_head: int = 0) -> Iterator[str]:
         raise NotImplementedError
 
     def validation(self) -> TextSource | None:
@@ -68,8 +71,8 @@ class ListSource(TextSource):
 
     docs: Sequence[str] = ()
 
-    def documents(self, shuffle_seed: int | None = None) -> Iterator[str]:
-        return iter(self.docs)
+    def documents(self, shuffle_seed: int | None = None, skip_head: int = 0) -> Iterator[str]:
+        return iter(self.docs[skip_head:])
 
     @property
     def size_bytes(self) -> int:
@@ -81,12 +84,23 @@ class LocalFiles(TextSource):
     paths: list[str] = field(default_factory=list)
     text_column: str | None = None
 
-    def documents(self, shuffle_seed: int | None = None) -> Iterator[str]:
+    def documents(self, shuffle_seed: int | None = None, skip_head: int = 0) -> Iterator[str]:
+        skip = self._head_per_file(skip_head)
         paths = list(self.paths)
         if shuffle_seed is not None and len(paths) > 1:
             random.Random(shuffle_seed).shuffle(paths)
         for path in paths:
-            yield from read_file(path, self.text_column)
+            yield from itertools.islice(read_file(path, self.text_column), skip.get(path, 0), None)
+
+    def _head_per_file(self, n: int) -> dict[str, int]:
+        """How many of the first `n` documents (in sorted file order) each file holds."""
+        skip: dict[str, int] = {}
+        for path in self.paths:
+            if n <= 0:
+                break
+            count = sum(1 for _ in itertools.islice(read_file(path, self.text_column), n))
+            skip[path], n = count, n - count
+        return skip
 
     @property
     def size_bytes(self) -> int:
@@ -109,11 +123,13 @@ class HubDataset(TextSource):
             msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise DatasetError(f"--dataset-id {self.name} (split {split}): could not load it from the hub: {msg}")
 
-    def documents(self, shuffle_seed: int | None = None) -> Iterator[str]:
+    def documents(self, shuffle_seed: int | None = None, skip_head: int = 0) -> Iterator[str]:
         ds = self._load(self.split)
-        if shuffle_seed is not None and self.streaming:
-            ds = ds.shuffle(seed=shuffle_seed, buffer_size=1)  # shard order only; our buffer does the rest
-        yield from _texts(ds, self.text_column, f"--dataset-id {self.name}")
+        if shuffle_seed is not None and self.streaming and not skip_head:
+            # Shard order only (our buffer shuffles documents). Not with a held-out head: reordering
+            # shards would move held-out documents into training.
+            ds = ds.shuffle(seed=shuffle_seed, buffer_size=1)
+        yield from itertools.islice(_texts(ds, self.text_column, f"--dataset-id {self.name}"), skip_head, None)
 
     def validation(self) -> TextSource | None:
         import datasets
@@ -405,10 +421,8 @@ def prepare_sequences(
     eot = eot_id(tokenizer)
     stride = stride or seq_len
     parts, batch = [], []
-    for i, doc in enumerate(source.documents()):
-        if i < skip_documents:
-            continue
-        if max_examples is not None and i - skip_documents >= max_examples:
+    for i, doc in enumerate(source.documents(skip_head=skip_documents)):
+        if max_examples is not None and i >= max_examples:
             break
         batch.append(doc)
         if len(batch) >= chunk_docs:

@@ -15,6 +15,7 @@ No jax here: numpy + tokenizers + datasets only.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Iterator
@@ -99,13 +100,9 @@ class StreamingDataLoader:
 
     def _documents(self, epoch: int) -> Iterator[str]:
         shuffle = self.shuffle_buffer_size > 1
-        docs = self.source.documents(shuffle_seed=(self.seed * 1_000_003 + epoch) if shuffle else None)
-        limit = None if self.max_examples is None else self.skip_documents + self.max_examples
-        for i, doc in enumerate(docs):
-            if limit is not None and i >= limit:
-                return
-            if i >= self.skip_documents:
-                yield doc
+        seed = (self.seed * 1_000_003 + epoch) if shuffle else None
+        docs = self.source.documents(shuffle_seed=seed, skip_head=self.skip_documents)
+        yield from itertools.islice(docs, self.max_examples)
 
     def _shuffled(self, docs: Iterator[str], rng: np.random.Generator) -> Iterator[str]:
         size = self.shuffle_buffer_size

@@ -166,7 +166,7 @@ def build_tokenizer(c: Config, source: TextSource, skip_documents: int, log) -> 
     if c.tokenizer:
         return load_tokenizer(c.tokenizer), time.time() - t
     vocab = c.vocab_size or default_vocab_size(c.target_params)
-    docs = (d for i, d in enumerate(source.documents()) if i >= skip_documents)
+    docs = source.documents(skip_head=skip_documents)
     tok = train_bpe(docs, vocab)
     log(f"[tokenizer] trained a byte-level BPE with {tok.get_vocab_size():,} tokens in {time.time() - t:.1f}s")
     return tok, time.time() - t

@@ -301,7 +301,7 @@ class _FailingSource(TextSource):
         super().__init__("failing")
         self.docs, self.fail_after = docs, fail_after
 
-    def documents(self, shuffle_seed=None):
+    def documents(self, shuffle_seed=None, skip_head=0):
         for i, d in enumerate(itertools.cycle(self.docs)):
             if i == self.fail_after:
                 raise RuntimeError("boom from the source")
@@ -313,7 +313,7 @@ class _EndlessSource(TextSource):
         super().__init__("endless")
         self.docs, self.closed, self.served = docs, threading.Event(), 0
 
-    def documents(self, shuffle_seed=None):
+    def documents(self, shuffle_seed=None, skip_head=0):
         try:
             for d in itertools.cycle(self.docs):
                 self.served += 1
@@ -675,3 +675,24 @@ def test_estimate_memory_usage():
     assert float(big["memory_savings"][:-1]) > float(est["memory_savings"][:-1])
     no_buffer = estimate_memory_usage(100000, 128, 32, shuffle_buffer_size=0)
     assert no_buffer["streaming_mb"] < est["streaming_mb"]
+
+
+def test_held_out_head_never_reaches_training_with_shuffled_files(tmp_path, tok):
+    """skip_head is applied in natural order, before the file shuffle: the eval slice stays out."""
+    from hf_dataset_loader import LocalFiles
+
+    for name in "abcd":
+        (tmp_path / f"{name}.txt").write_text("\n\n".join(f"doc {name}{i} words" for i in range(20)))
+    src = resolve_source(str(tmp_path))
+    assert isinstance(src, LocalFiles)
+    head = [d for _, d in zip(range(27), src.documents())]  # spans a.txt and part of b.txt
+    assert head[-1] == "doc b6 words"
+    for seed in range(3):
+        trained = list(src.documents(shuffle_seed=seed, skip_head=27))
+        assert not set(head) & set(trained)
+        assert len(trained) == 80 - 27
+    loader = StreamingDataLoader(src, tok, seq_len=4, batch_size=1, shuffle_buffer_size=8, skip_documents=27,
+                                 prefetch=0)
+    for epoch in range(3):
+        text = "".join(tok.decode(b["input_ids"][0].tolist()) for b in loader.iter_epoch(epoch))
+        assert "b6 " not in text and "a0 " not in text and "b7 " in text
