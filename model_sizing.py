@@ -108,6 +108,10 @@ def choose_shape(
         raise SizingError("--vocab-size must be positive")
     if d_model is not None and n_heads is not None and d_model % n_heads:
         raise SizingError(f"--d-model {d_model} is not divisible by --n-heads {n_heads}")
+    if d_model is not None and d_model % 2:
+        raise SizingError(f"--d-model {d_model}: must be even (rotary positions rotate pairs)")
+    if d_model is not None and n_heads is not None and (d_model // n_heads) % 2:
+        raise SizingError(f"--d-model {d_model} / --n-heads {n_heads} gives an odd head dim; choose an even one")
 
     widths = [d_model] if d_model else list(range(32, 4097, 32))
     depths = [n_layers] if n_layers else list(range(1, 65))
@@ -123,6 +127,8 @@ def choose_shape(
                 else:
                     continue
             heads = n_heads or max(1, D // default_head_dim(D))
+            if D % heads or (D // heads) % 2:  # rotary needs an even head dim
+                continue
             shape = ModelShape(vocab_size, L, D, heads, F)
             err = abs(count_params(shape) - target_params) / target_params
             if err > TOLERANCE and not (d_model and n_layers):
@@ -130,6 +136,11 @@ def choose_shape(
             score = abs(math.log(D / L / ASPECT)) + abs(math.log(F / (8 * D / 3))) + 10 * err
             if best is None or score < best[0]:
                 best = (score, shape)
+    if best is None and (n_heads or d_model):
+        raise SizingError(
+            f"no shape with --n-heads {n_heads} / --d-model {d_model} reaches --target-params {target_params:,} "
+            f"within 5% (head dim must be even and divide d_model); adjust them or drop one"
+        )
     if best is None:
         min_params = vocab_size * 32 + 4 * 32 * 32 + 3 * 32 * 64 + 3 * 32
         raise SizingError(

@@ -113,7 +113,7 @@ class MetricsLog:
     """Appends one JSON object per line to metrics.jsonl (line-buffered, so a crash loses at most a row)."""
 
     def __init__(self, path: str):
-        self.file = open(path, "a", buffering=1)
+        self.file = open(path, "w", buffering=1)
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")

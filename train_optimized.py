@@ -133,7 +133,15 @@ def validate(c: Config) -> None:
 
 
 def prepare_output_dir(c: Config) -> str:
-    out = c.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    out = c.output_dir
+    if out is None:
+        out = base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        n = 1
+        while os.path.exists(out):  # two runs started in the same second
+            out, n = f"{base}-{n}", n + 1
+    elif os.path.exists(os.path.join(out, "config.json")):
+        raise ConfigError(f"--output-dir {out}: already holds a run (config.json); choose a new directory "
+                          f"so nothing saved there is overwritten")
     try:
         os.makedirs(out, exist_ok=True)
         probe = os.path.join(out, ".write-test")
@@ -238,10 +246,14 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     eval_source = (resolve_source(c.eval_dataset_id, text_column=c.text_column, flag="--eval-dataset-id", log=log)
                    if c.eval_dataset_id else source.validation())
     skip_docs, heldout_docs = 0, None
-    if eval_source is None:  # hold out the first documents (~6 chars/token covers --eval-tokens)
-        heldout_docs, skip_docs = held_out_split(source, c.eval_tokens * 6)
+    if eval_source is None:  # hold out the first documents: ~6 chars/token covers --eval-tokens, <= 10% of a file
+        budget = c.eval_tokens * 6 if source.size_bytes is None else min(c.eval_tokens * 6, source.size_bytes // 10)
+        heldout_docs, skip_docs = held_out_split(source, max(budget, 1))
         if not heldout_docs:
             raise DatasetError(f"{source.name}: the dataset has no documents (empty file or no text); check --dataset-id")
+        if next(source.documents(skip_head=skip_docs), None) is None:
+            raise DatasetError(f"{source.name}: holding out --eval-tokens {c.eval_tokens} leaves nothing to train on; "
+                               f"pass --eval-dataset-id, a smaller --eval-tokens, or more documents")
     tokenizer, tok_seconds = build_tokenizer(c, source, skip_docs, log)
     tokenizer.save(os.path.join(out, "tokenizer.json"))
     vocab = tokenizer.get_vocab_size()
