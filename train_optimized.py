@@ -26,6 +26,8 @@ import numpy as np
 
 from hf_dataset_loader import (
     DatasetError,
+    HubDataset,
+    LocalFiles,
     TextSource,
     encode_documents,
     pack_rows,
@@ -243,8 +245,12 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     # Tokenizer before model (the seeds' lesson): data setup needs no jax.
     source = resolve_source(c.dataset_id, dataset_config=c.dataset_config, split=c.split,
                             text_column=c.text_column, streaming=c.use_streaming, log=log)
-    eval_source = (resolve_source(c.eval_dataset_id, text_column=c.text_column, flag="--eval-dataset-id", log=log)
-                   if c.eval_dataset_id else source.validation())
+    if c.eval_dataset_id:
+        eval_source = resolve_source(c.eval_dataset_id, text_column=c.text_column, flag="--eval-dataset-id", log=log)
+        if isinstance(eval_source, HubDataset):  # a hub id: its validation split when it has one
+            eval_source = eval_source.validation() or eval_source
+    else:
+        eval_source = source.validation()
     skip_docs, heldout_docs = 0, None
     if eval_source is None:  # hold out the first documents: ~6 chars/token covers --eval-tokens, <= 10% of a file
         budget = c.eval_tokens * 6 if source.size_bytes is None else min(c.eval_tokens * 6, source.size_bytes // 10)
@@ -262,7 +268,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     c.learning_rate = c.learning_rate or default_learning_rate(n_params)
 
     if eval_source is not None:
-        whole = c.eval_dataset_id is not None
+        whole = isinstance(eval_source, LocalFiles)  # a separate local file is scored whole, a hub split capped
         eval_set = build_eval_set(eval_source.documents(), tokenizer, c.seq_len, None if whole else c.eval_tokens,
                                   eval_source.name)
     else:
@@ -377,7 +383,9 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     last_eval: dict | None = None
     losses: list = []
     wait = eval_seconds = 0.0
+    warmup_end: float | None = None  # run progress when warmup finished: the cosine spans the rest
     compile_s = None
+    first_batch_s = 0.0
     train_start = time.time()
     interval_start, interval_wait, interval_tokens = time.time(), 0.0, 0
     stop_reason = "epochs done"
@@ -391,15 +399,20 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
             dt = time.perf_counter() - t0
             if batch is None:
                 break
-            wait += dt
-            interval_wait += dt
+            if compile_s is None:  # the first fetch fills the shuffle buffer: start-up, not waiting
+                first_batch_s += dt
+            else:
+                wait += dt
+                interval_wait += dt
             if c.max_steps:
                 progress = step / c.max_steps
             elif c.max_time:
                 progress = (time.time() - start) / c.max_time
             else:
                 progress = tokens / est_total_tokens if est_total_tokens else 0.0
-            lr = lr_at(progress, step, c.learning_rate, warmup)
+            if step < warmup or warmup_end is None:
+                warmup_end = progress if step >= warmup else None
+            lr = lr_at(progress, step, c.learning_rate, warmup, warmup_end=warmup_end or 0.0)
             state, m = train_step(state, jax.device_put(batch, batch_sharded), np.float32(lr))
             if sync_each_step:  # see devices.py: multi-device CPU must not run ahead
                 m["loss"].block_until_ready()
@@ -407,8 +420,9 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
             micro += 1
             if compile_s is None:
                 m["loss"].block_until_ready()
-                compile_s = time.time() - train_start
-                interval_start, interval_wait = time.time(), 0.0
+                compile_s = time.time() - train_start - first_batch_s
+                # The next interval starts now; this micro-batch's tokens ran before it.
+                interval_start, interval_wait, interval_tokens = time.time(), 0.0, -c.batch_size * c.seq_len
                 (bar.write if bar is not None else log)(f"[run] first step (compile) {compile_s:.1f}s")
             if micro % c.gradient_accumulation_steps:
                 continue
@@ -443,7 +457,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
                 stop_reason, done = f"--max-time {c.max_time:g}s", True
         if done:
             break
-    train_seconds = time.time() - train_start - (compile_s or 0.0) - eval_seconds
+    train_seconds = time.time() - train_start - first_batch_s - (compile_s or 0.0) - eval_seconds
     if bar is not None:
         bar.close()
     if step == 0:
@@ -460,6 +474,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
         "eval_loss": last_eval["eval_loss"], "eval_ppl": last_eval["eval_ppl"], "eval_bpb": last_eval["eval_bpb"],
         "params": n_params, "steps": step, "tokens": tokens, "epochs_started": epoch + 1,
         "wall_time_s": time.time() - start, "train_time_s": train_seconds, "compile_time_s": compile_s,
+        "first_batch_time_s": first_batch_s,
         "eval_time_s": eval_seconds,
         "tokenizer_time_s": tok_seconds, "tokens_per_sec": trained_tokens / max(train_seconds, 1e-9),
         "model_flops_per_token": fpt, "mfu": fpt * trained_tokens / max(train_seconds, 1e-9) / peak_flops,

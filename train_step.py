@@ -49,14 +49,18 @@ def make_optimizer(
     return optax.MultiSteps(optax.chain(*parts), every_k_schedule=accumulation)
 
 
-def lr_at(progress: float, step: int, peak: float, warmup_steps: int, final_frac: float = 0.1) -> float:
+def lr_at(progress: float, step: int, peak: float, warmup_steps: int, final_frac: float = 0.1,
+          warmup_end: float = 0.0) -> float:
     """Linear warmup over `warmup_steps` optimizer steps, then cosine from peak to final_frac * peak.
 
-    `progress` in [0, 1] is the fraction of the run done (by steps, tokens or wall time).
+    `progress` in [0, 1] is the fraction of the run done (by steps, tokens or wall time); the cosine
+    runs over what is left after `warmup_end`, the progress at which warmup finished, so the rate is
+    continuous at the end of warmup.
     """
     if warmup_steps > 0 and step < warmup_steps:
         return peak * (step + 1) / warmup_steps
-    p = min(max(progress, 0.0), 1.0)
+    p = (progress - warmup_end) / max(1.0 - warmup_end, 1e-9)
+    p = min(max(p, 0.0), 1.0)
     return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * p)))
 
 

@@ -100,6 +100,10 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(0.5, 50, 1.0, 10) == pytest.approx(0.55)
     assert lr_at(1.0, 99, 1.0, 10) == pytest.approx(0.1)
     assert lr_at(2.0, 500, 1.0, 10) == pytest.approx(0.1)
+    # cosine measured from the end of warmup: continuous there, and ends at the floor
+    assert lr_at(0.45, 10, 1.0, 10, warmup_end=0.45) == pytest.approx(1.0)
+    assert lr_at(0.725, 60, 1.0, 10, warmup_end=0.45) == pytest.approx(0.55)
+    assert lr_at(1.0, 99, 1.0, 10, warmup_end=0.45) == pytest.approx(0.1)
 
 
 def test_eval_step_masks_padding():
