@@ -99,6 +99,16 @@ class Config:
     cpu_devices: int | None = field(default=None, metadata={"help": "CPU only: host devices to split each batch over (default: one per core, at most 8; see devices.py)"})
 
 
+def flag_table_rows() -> list[str]:
+    """The README's flag table, one markdown row per flag (a test keeps the README equal to this)."""
+    rows = []
+    for f in dataclasses.fields(Config):
+        d = f.default
+        d = "off" if d is False else "auto" if d is None else f"{d:,}" if type(d) is int else d
+        rows.append(f"| `--{f.name.replace('_', '-')}` | {d} | {f.metadata['help'].replace('%%', '%')} |")
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Train a small decoder-only language model on a streamed dataset (JAX/Flax).",

@@ -270,8 +270,10 @@ def test_iter_epoch_reshuffles_per_epoch(tok, stories):
     np.testing.assert_array_equal(e0a, e0b)
     assert e0a.shape == e1.shape
     assert not np.array_equal(e0a, e1)
-    # Same tokens overall though (only the document order changed): compare token counts.
-    assert Counter(e0a.ravel().tolist()).keys() == Counter(e1.ravel().tolist()).keys()
+    # Same tokens overall (only the document order changed): counts agree up to the dropped final partial
+    # batch, which is under one batch of tokens per epoch.
+    c0, c1 = Counter(e0a.ravel().tolist()), Counter(e1.ravel().tolist())
+    assert sum(((c0 - c1) + (c1 - c0)).values()) <= 2 * 4 * 33
 
 
 def test_prepare_sequences_matches_streaming_loader(tok, stories):
