@@ -80,7 +80,7 @@ class Config:
     batch_size: int = field(default=32, metadata={"help": "Sequences per micro-batch"})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step (optax.MultiSteps)"})
     learning_rate: float | None = field(default=None, metadata={"help": "Peak AdamW learning rate (default: 6e-4 * sqrt(125M / params), at most 1e-2)"})
-    warmup_steps: int = field(default=100, metadata={"help": "Linear warmup (optimizer steps; capped at 20%% of --max-steps)"})
+    warmup_steps: int = field(default=100, metadata={"help": "Linear warmup (optimizer steps; capped at 20%% of the run when its length is known)"})
     weight_decay: float = field(default=0.1, metadata={"help": "Decoupled weight decay on matrices"})
     grad_clip: float = field(default=1.0, metadata={"help": "Clip gradients to this global norm (0: off)"})
     use_mixed_precision: bool = field(default=False, metadata={"help": "bfloat16 compute with float32 master weights"})
@@ -327,7 +327,10 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     tokens_per_step = c.batch_size * c.seq_len * c.gradient_accumulation_steps
     est_total_tokens = None
     if c.max_steps is None and c.max_time is None and source.size_bytes:
-        est_total_tokens = (c.epochs or 1) * source.size_bytes / max(eval_set.n_bytes / eval_set.mask.sum(), 1.0)
+        # Until epoch 0 has been counted: bytes / (bytes per token), more tokens with overlapping windows.
+        bytes_per_token = max(eval_set.n_bytes / eval_set.mask.sum(), 1.0)
+        est_total_tokens = (c.epochs or 1) * source.size_bytes / bytes_per_token * c.seq_len / (c.stride or c.seq_len)
+        warmup = min(warmup, int(est_total_tokens / tokens_per_step) // 5)
 
     resolved = {**dataclasses.asdict(c), "output_dir": out, "dataset": source.name, "eval_dataset": eval_set.name,
                 "vocab_size": vocab, "stride": c.stride or c.seq_len, "warmup_steps": warmup,
@@ -467,6 +470,10 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
                 stop_reason, done = f"--max-time {c.max_time:g}s", True
         if done:
             break
+        if epoch == 0 and not (c.max_steps or c.max_time):  # one epoch counted: the schedule is exact now
+            est_total_tokens = tokens * epochs
+    if hasattr(batches, "close"):
+        batches.close()  # stops the prefetch thread before the final eval
     train_seconds = time.time() - train_start - first_batch_s - (compile_s or 0.0) - eval_seconds
     if bar is not None:
         bar.close()
