@@ -110,7 +110,7 @@ def measure_matmul_flops(n: int = 2048, reps: int = 3) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to metrics.jsonl (line-buffered, so a crash loses at most a row)."""
+    """Writes one JSON object per line to a new metrics.jsonl (line-buffered: a crash loses at most a row)."""
 
     def __init__(self, path: str):
         self.file = open(path, "w", buffering=1)

@@ -169,15 +169,16 @@ def prepare_output_dir(c: Config) -> str:
 # Data: tokenizer, held-out set, training batches
 
 
-def held_out_split(source: TextSource, chars: int) -> tuple[list[str], int]:
-    """The first documents of the stream totalling >= `chars` characters, and how many they are."""
+def held_out_split(source: TextSource, chars: int) -> tuple[list[str], bool]:
+    """The first documents of the stream totalling >= `chars` characters, and whether any are left after them."""
     docs, total = [], 0
-    for doc in source.documents():
+    stream = source.documents()
+    for doc in stream:
         docs.append(doc)
         total += len(doc)
         if total >= chars:
             break
-    return docs, len(docs)
+    return docs, next(stream, None) is not None
 
 
 def build_tokenizer(c: Config, source: TextSource, skip_documents: int, log) -> tuple[object, float]:
@@ -264,10 +265,11 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     skip_docs, heldout_docs = 0, None
     if eval_source is None:  # hold out the first documents: ~6 chars/token covers --eval-tokens, <= 10% of a file
         budget = c.eval_tokens * 6 if source.size_bytes is None else min(c.eval_tokens * 6, source.size_bytes // 10)
-        heldout_docs, skip_docs = held_out_split(source, max(budget, 1))
+        heldout_docs, rest = held_out_split(source, max(budget, 1))
+        skip_docs = len(heldout_docs)
         if not heldout_docs:
             raise DatasetError(f"{source.name}: the dataset has no documents (empty file or no text); check --dataset-id")
-        if next(source.documents(skip_head=skip_docs), None) is None:
+        if not rest:
             raise DatasetError(f"{source.name}: holding out --eval-tokens {c.eval_tokens} leaves nothing to train on; "
                                f"pass --eval-dataset-id, a smaller --eval-tokens, or more documents")
     tokenizer, tok_seconds = build_tokenizer(c, source, skip_docs, log)
@@ -423,8 +425,8 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
                 progress = (time.time() - start) / c.max_time
             else:
                 progress = tokens / est_total_tokens if est_total_tokens else 0.0
-            if step < warmup or warmup_end is None:
-                warmup_end = progress if step >= warmup else None
+            if warmup_end is None and step >= warmup:
+                warmup_end = progress
             lr = lr_at(progress, step, c.learning_rate, warmup, warmup_end=warmup_end or 0.0)
             state, m = train_step(state, jax.device_put(batch, batch_sharded), np.float32(lr))
             if sync_each_step:  # see devices.py: multi-device CPU must not run ahead
