@@ -159,3 +159,30 @@ def describe(shape: ModelShape, seq_len: int) -> str:
         f"embedding {shape.vocab_size * shape.d_model / n:.0%} of params; "
         f"{flops_per_token(shape, seq_len) / 1e6:.1f} MFLOP/token"
     )
+
+
+def param_shapes(shape: ModelShape) -> list[tuple[int, ...]]:
+    """The shape of every parameter array of model.Transformer (order not significant)."""
+    V, L, D, F = shape.vocab_size, shape.n_layers, shape.d_model, shape.d_ff
+    per_block = [(D, 3 * D), (D, D), (D, 2 * F), (F, D), (D,), (D,)]
+    return [(V, D)] + per_block * L + [(D,)]
+
+
+def optimizer_state_bytes(shape: ModelShape, use_8bit: bool = False, accumulation: int = 1,
+                          min_8bit_size: int = 4096, block: int = 256) -> int:
+    """Exact bytes of train_step.make_optimizer's state for this model (tests check it against nbytes).
+
+    float32 AdamW: m and v, 4 + 4 bytes per parameter. 8-bit (adam8bit.py): for each array of at least
+    `min_8bit_size` elements, 1 + 1 byte of codes per element and 4 + 4 bytes per `block` elements (the
+    scales; a partial last block counts whole), i.e. 2.03 bytes/param; smaller arrays stay float32.
+    Plus the parameter-sized float32 accumulator of optax.MultiSteps when accumulation > 1, and a few
+    scalars (step counts, the non-finite guard's flags).
+    """
+    total = 0
+    for s in param_shapes(shape):
+        n = math.prod(s)
+        total += 2 * n + 8 * -(-n // block) if use_8bit and n >= min_8bit_size else 8 * n
+    scalars = 4 + 1 + 4 + (4 + 4 if use_8bit else 4)  # apply_if_finite: 2 int32 + bool; Adam count (+ skipped)
+    if accumulation > 1:  # MultiSteps: acc_grads, mini_step, gradient_step, skip state
+        total += 4 * count_params(shape) + 4 + 4
+    return total + scalars

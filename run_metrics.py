@@ -120,3 +120,16 @@ class MetricsLog:
 
     def close(self) -> None:
         self.file.close()
+
+
+def compiled_memory(jitted, *args) -> dict:
+    """XLA's memory analysis of a jitted function for these (possibly abstract) arguments, in bytes.
+
+    peak = arguments + outputs + temporaries - aliased (outputs written into donated arguments):
+    what the compiled program holds at once, before the runtime's own overhead.
+    """
+    m = jitted.lower(*args).compile().memory_analysis()
+    out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+           "temporaries": m.temp_size_in_bytes, "aliased": m.alias_size_in_bytes}
+    out["peak"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+    return out

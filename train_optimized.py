@@ -42,6 +42,7 @@ from model_sizing import (
     default_vocab_size,
     describe,
     flops_per_token,
+    optimizer_state_bytes,
 )
 from run_metrics import MetricsLog, device_peak_flops, peak_rss_mb, rss_mb
 from streaming_data_loader import StreamingDataLoader
@@ -85,6 +86,7 @@ class Config:
     grad_clip: float = field(default=1.0, metadata={"help": "Clip gradients to this global norm (0: off)"})
     use_mixed_precision: bool = field(default=False, metadata={"help": "bfloat16 compute with float32 master weights"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute each block's activations in the backward pass (less memory, ~30%% more compute)"})
+    use_8bit_optimizer: bool = field(default=False, metadata={"help": "Keep Adam's moments as 8-bit block-quantized codes: ~2 bytes/param instead of 8 (adam8bit.py)"})
     # length of the run
     epochs: int | None = field(default=None, metadata={"help": "Passes over the data, reshuffled each epoch (default: repeat until --max-steps/--max-time, else 1)"})
     max_steps: int | None = field(default=None, metadata={"help": "Stop after this many optimizer steps"})
@@ -308,6 +310,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     configure_cpu_devices(c.cpu_devices)
     from checkpointing import Checkpointer
     from model import Transformer, init_params
+    from adam8bit import state_bytes
     from train_step import init_state, lr_at, make_eval_step, make_optimizer, make_sampler, make_train_step
 
     mesh = data_mesh(c.batch_size)
@@ -319,11 +322,13 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
         peak_flops *= mesh.devices.size
     dtype = jnp.bfloat16 if c.use_mixed_precision else jnp.float32
     model = Transformer(shape, dtype=dtype, remat=c.gradient_checkpointing)
-    tx = make_optimizer(c.weight_decay, c.grad_clip, c.gradient_accumulation_steps)
+    tx = make_optimizer(c.weight_decay, c.grad_clip, c.gradient_accumulation_steps, use_8bit=c.use_8bit_optimizer)
     state = jax.device_put(init_state(init_params(model, c.seed, c.seq_len), tx), replicated)
     train_step, eval_step = make_train_step(model, tx), make_eval_step(model)
     sampler = make_sampler(model, c.seq_len)
     assert sum(x.size for x in jax.tree.leaves(state.params)) == n_params
+    opt_bytes = state_bytes(state.opt_state)
+    assert opt_bytes == optimizer_state_bytes(shape, c.use_8bit_optimizer, c.gradient_accumulation_steps)
     fpt = flops_per_token(shape, c.seq_len)
     warmup = min(c.warmup_steps, c.max_steps // 5) if c.max_steps else c.warmup_steps
     tokens_per_step = c.batch_size * c.seq_len * c.gradient_accumulation_steps
@@ -337,11 +342,15 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     resolved = {**dataclasses.asdict(c), "output_dir": out, "dataset": source.name, "eval_dataset": eval_set.name,
                 "vocab_size": vocab, "stride": c.stride or c.seq_len, "warmup_steps": warmup,
                 "model": shape.to_dict(), "params": n_params, "model_flops_per_token": fpt,
+                "optimizer_state_bytes": opt_bytes,
                 "held_out_documents": skip_docs, "device": str(device), "devices": int(mesh.devices.size),
                 "jax_version": jax.__version__}
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(resolved, f, indent=2)
     log(f"[model] {describe(shape, c.seq_len)}")
+    log(f"[optimizer] AdamW, {'8-bit block-quantized' if c.use_8bit_optimizer else 'float32'} moments"
+        f"{', MultiSteps x' + str(c.gradient_accumulation_steps) if c.gradient_accumulation_steps > 1 else ''}: "
+        f"state {opt_bytes / 2**20:,.2f} MB ({opt_bytes / n_params:.2f} bytes/param)")
     log(f"[run] {mesh.devices.size} {device.platform} device(s), data-parallel over the batch; "
         f"peak {peak_flops / 1e9:,.0f} GFLOP/s ({peak_source}); "
         f"{tokens_per_step:,} tokens/step; eval on {eval_set.name}: {int(eval_set.mask.sum()):,} tokens; out {out}")
@@ -397,6 +406,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     epoch = 0
     last_eval: dict | None = None
     losses: list = []
+    finite: list = []  # per micro-step: loss and gradient finite (a non-finite step changed nothing)
     wait = eval_seconds = 0.0
     warmup_end: float | None = None  # run progress when warmup finished: the cosine spans the rest
     compile_s = None
@@ -404,6 +414,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     train_start = time.time()
     interval_start, interval_wait, interval_tokens = time.time(), 0.0, 0
     stop_reason = "epochs done"
+    nonfinite_stop = False
     done = False
     epochs = c.epochs or (10**9 if (c.max_steps or c.max_time) else 1)
     for epoch in range(epochs):
@@ -432,6 +443,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
             if sync_each_step:  # see devices.py: multi-device CPU must not run ahead
                 m["loss"].block_until_ready()
             losses.append(m["loss"])
+            finite.append(m["finite"])
             micro += 1
             if compile_s is None:
                 m["loss"].block_until_ready()
@@ -448,7 +460,8 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
                 bar.update(1)
             if step % c.log_every == 0:
                 loss = float(jnp.mean(jnp.stack(losses)))  # the only host sync in the loop
-                losses = []
+                ok = np.asarray(jnp.stack(finite))
+                losses, finite = [], []
                 now = time.time()
                 tps = interval_tokens / max(now - interval_start, 1e-9)
                 row = {"step": step, "loss": loss, "lr": lr, "tokens": tokens, "tokens_per_sec": tps,
@@ -458,9 +471,11 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
                           f"| wait {row['data_wait_frac']:.1%} | rss {row['rss_mb']:,.0f} MB | {now - start:.0f}s")
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
-                if not math.isfinite(loss):
-                    stop_reason = f"non-finite loss at step {step}"
-                    done = True
+                if not ok.all():  # the optimizer skipped it; stop before anything else is saved
+                    bad = step - c.log_every + int(np.argmin(ok)) // c.gradient_accumulation_steps + 1
+                    stop_reason = f"non-finite loss or gradient at step {bad} (skipped; nothing saved after it)"
+                    nonfinite_stop = done = True
+                    break
                 interval_start, interval_wait, interval_tokens = now, 0.0, 0
             if step % c.eval_every == 0:
                 last_eval = evaluate(step, tokens)
@@ -484,7 +499,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     log(f"[run] stopped: {stop_reason}")
     if last_eval is None or last_eval["step"] != step:
         last_eval = evaluate(step, tokens)
-    if step % c.checkpoint_every:
+    if step % c.checkpoint_every and not nonfinite_stop:
         save(step, tokens, epoch)
     ckpt.close()
     metrics.close()
@@ -498,7 +513,8 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
         "tokenizer_time_s": tok_seconds, "tokens_per_sec": trained_tokens / max(train_seconds, 1e-9),
         "model_flops_per_token": fpt, "mfu": fpt * trained_tokens / max(train_seconds, 1e-9) / peak_flops,
         "peak_flops": peak_flops, "data_wait_frac": wait / max(train_seconds, 1e-9),
-        "peak_rss_mb": peak_rss_mb(), "stop_reason": stop_reason, "output_dir": out,
+        "peak_rss_mb": peak_rss_mb(), "optimizer_state_bytes": opt_bytes,
+        "stop_reason": stop_reason, "output_dir": out,
     }
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -34,19 +34,30 @@ def make_optimizer(
     b1: float = 0.9,
     b2: float = 0.95,
     eps: float = 1e-8,
+    use_8bit: bool = False,
 ) -> optax.GradientTransformation:
-    """clip -> Adam direction -> decoupled weight decay (matrices only), wrapped in optax.MultiSteps.
+    """clip -> Adam direction -> decoupled weight decay (matrices only), skipped whole on a non-finite gradient.
 
-    The learning rate is applied by the train step. MultiSteps averages `accumulation` micro-batch
-    gradients and emits zero updates in between, so k micro-batches equal one batch k times as large.
+    The learning rate is applied by the train step. `use_8bit` stores Adam's moments block-quantized
+    (adam8bit.py: ~2 bytes/param instead of 8). A step whose gradient has a NaN/Inf changes neither
+    parameters nor optimizer state (optax.apply_if_finite); the trainer sees it in the step's
+    `finite` metric and decides (stop, or skip a bounded number). With accumulation > 1, optax.MultiSteps
+    averages `accumulation` micro-batch gradients and emits zero updates in between, so k micro-batches
+    equal one batch k times as large; at 1 it is left out, saving its parameter-sized float32 buffer.
     """
     parts = []
     if grad_clip and grad_clip > 0:
         parts.append(optax.clip_by_global_norm(grad_clip))
-    parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+    if use_8bit:
+        from adam8bit import scale_by_adam_8bit
+
+        parts.append(scale_by_adam_8bit(b1=b1, b2=b2, eps=eps))
+    else:
+        parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
     if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
-    return optax.MultiSteps(optax.chain(*parts), every_k_schedule=accumulation)
+    tx = optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=2**30)
+    return optax.MultiSteps(tx, every_k_schedule=accumulation) if accumulation > 1 else tx
 
 
 def lr_at(progress: float, step: int, peak: float, warmup_steps: int, final_frac: float = 0.1,
@@ -79,7 +90,8 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), state.params, updates)
         new_state = TrainState(micro_step=state.micro_step + 1, params=params, opt_state=opt_state)
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        grad_norm = optax.tree.norm(grads)
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
 
     return jax.jit(step, donate_argnums=0)
 
