@@ -15,12 +15,15 @@ where spread = max - min of the fp32 seeds. The linear control should fail it.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
 
 import adam8bit  # noqa: E402
 from train_optimized import Config, train  # noqa: E402
@@ -33,6 +36,8 @@ def main() -> None:
     p.add_argument("--target-params", type=int, default=800_000)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--arms", default="fp32,8bit,linear",
+                   help="comma list of: fp32, 8bit, linear (negative control), stable-embedding (8-bit, embedding state fp32)")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
     tmp = tempfile.mkdtemp(prefix="opt8_")
@@ -50,18 +55,29 @@ def main() -> None:
     print(f"tinyshakespeare, --target-params {a.target_params:,}, --max-steps {a.steps}, other flags default")
     print("| optimizer | seed | eval loss | eval bpb | state bytes | tok/s | stop |")
     print("|---|---|---|---|---|---|---|")
+    arms = a.arms.split(",")
     fp32 = [run("fp32", s, False) for s in seeds]
-    q8 = [run("8-bit", s, True) for s in seeds]
-    signed_dynamic = adam8bit.dynamic_map
-    adam8bit.dynamic_map = lambda signed, zero_free=False: adam8bit.linear_map(signed)  # negative control
-    try:
-        lin = [run("8-bit linear map", seeds[0], True)]
-    finally:
-        adam8bit.dynamic_map = signed_dynamic
+    results = {}
+    if "8bit" in arms:
+        results["8-bit"] = [run("8-bit", s, True) for s in seeds]
+    if "stable-embedding" in arms:  # the reference keeps the embedding's state in fp32: does this model need it?
+        plain = adam8bit.scale_by_adam_8bit
+        adam8bit.scale_by_adam_8bit = functools.partial(plain, keep_fp32=lambda path, p: "embed" in jax.tree_util.keystr(path))
+        try:
+            results["8-bit, fp32 embedding state"] = [run("8-bit, fp32 embedding state", s, True) for s in seeds]
+        finally:
+            adam8bit.scale_by_adam_8bit = plain
+    if "linear" in arms:
+        signed_dynamic = adam8bit.dynamic_map
+        adam8bit.dynamic_map = lambda signed, zero_free=False: adam8bit.linear_map(signed)  # negative control
+        try:
+            results["8-bit linear map"] = [run("8-bit linear map", seeds[0], True)]
+        finally:
+            adam8bit.dynamic_map = signed_dynamic
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     spread = max(fp32) - min(fp32)
     bound = max(0.01 * mean(fp32), 2 * spread)
-    for tag, xs in (("8-bit", q8), ("8-bit linear map", lin)):
+    for tag, xs in results.items():
         gap = mean(xs) - mean(fp32)
         print(f"{tag}: mean {mean(xs):.4f} vs fp32 {mean(fp32):.4f} (spread {spread:.4f}): gap {gap:+.4f}, "
               f"bound {bound:.4f} -> {'PASS' if abs(gap) <= bound else 'FAIL'}")
