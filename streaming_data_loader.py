@@ -217,29 +217,70 @@ def estimate_memory_usage(
     avg_document_chars: int = 1_000,
     prefetch: int = 2,
     chunk_chars: int = 256_000,
+    *,
+    target_params: int | None = None,
+    shape=None,
+    vocab_size: int | None = None,
+    mixed_precision: bool = False,
+    use_8bit_optimizer: bool = False,
+    gradient_accumulation_steps: int = 1,
+    gradient_checkpointing: bool = False,
+    streaming: bool = True,
+    devices: int = 1,
+    platform: str = "cpu",
 ) -> dict:
-    """Data-side memory of the full-load path versus the streaming loader, in MB.
+    """Memory of a run in MB: the data side always, and the whole run when a model is given.
 
+    Data side (the seed's keys):
     full_load_mb   = num_sequences * seq_len * 2 arrays (inputs, targets) * 4 bytes (int32)
     streaming_mb   = batches alive ((prefetch + 2) batches: queue, the one being built, the one in use)
                    + shuffle buffer (shuffle_buffer_size * (avg_document_chars + 49 bytes of str header))
                    + one tokenization chunk (chunk_chars as text + ~4 bytes/char of token ids, upper bound)
     memory_savings = "xx.xx%" (1 - streaming / full load), also as a fraction in memory_savings_frac.
+
+    With `target_params` (shape from model_sizing.choose_shape, vocab from `vocab_size` or the default for
+    that size) or an explicit model_sizing.ModelShape `shape`, also the device breakdown per device
+    (params, gradients, optimizer state, accumulation buffer, activations, logits; formulas in
+    memory_estimate.py), `device_total_mb` and `host_rss_mb` = framework + data pipeline (streaming or
+    full load) + on CPU the device totals of all `devices` host devices. `batch_size` is the global
+    micro-batch, split over `devices`. The result is a dict that prints as a table (also in notebooks).
     """
-    mb = 1 / (1 << 20)
+    from memory_estimate import MB, MemoryEstimate, device_breakdown, host_rss_mb
+
+    mb = 1 / MB
     row_bytes = seq_len * 2 * 4
     full = num_sequences * row_bytes * mb
     batches = (prefetch + 2) * batch_size * row_bytes * mb
     shuffle = (shuffle_buffer_size if shuffle_buffer_size > 1 else 0) * (avg_document_chars + 49) * mb
     chunk = chunk_chars * 5 * mb
-    streaming = batches + shuffle + chunk
-    frac = 1 - streaming / full if full > 0 else 0.0
-    return {
+    streaming_mb = batches + shuffle + chunk
+    frac = 1 - streaming_mb / full if full > 0 else 0.0
+    out = MemoryEstimate({
         "full_load_mb": round(full, 3),
-        "streaming_mb": round(streaming, 3),
+        "streaming_mb": round(streaming_mb, 3),
         "memory_savings": f"{frac * 100:.2f}%",
         "memory_savings_frac": frac,
         "streaming_batches_mb": round(batches, 3),
         "shuffle_buffer_mb": round(shuffle, 3),
         "tokenize_chunk_mb": round(chunk, 3),
-    }
+    })
+    if shape is None and target_params is None:
+        return out
+    if shape is None:
+        from model_sizing import choose_shape, default_vocab_size
+
+        shape = choose_shape(target_params, vocab_size or default_vocab_size(target_params))
+    if batch_size % devices:
+        raise ValueError(f"batch_size {batch_size} does not split over {devices} devices")
+    dev = device_breakdown(shape, seq_len, batch_size // devices, mixed_precision=mixed_precision,
+                           gradient_checkpointing=gradient_checkpointing, use_8bit_optimizer=use_8bit_optimizer,
+                           gradient_accumulation_steps=gradient_accumulation_steps)
+    for k, v in dev.items():
+        out[f"{k}_mb" if k != "total" else "device_total_mb"] = round(v * mb, 3)
+    data_mb = streaming_mb if streaming else full
+    out["data_pipeline_mb"] = round(data_mb, 3)
+    from memory_estimate import FRAMEWORK_MB
+
+    out["framework_mb"] = FRAMEWORK_MB
+    out["host_rss_mb"] = round(host_rss_mb(dev["total"], devices, platform, data_mb), 3)
+    return out

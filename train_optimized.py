@@ -42,10 +42,12 @@ from model_sizing import (
     default_vocab_size,
     describe,
     flops_per_token,
-    optimizer_state_bytes,
 )
 from run_metrics import MetricsLog, device_peak_flops, peak_rss_mb, rss_mb
-from streaming_data_loader import StreamingDataLoader
+from memory_estimate import fit_candidates
+from memory_monitor import MemoryMonitor, jax_device_bytes, parse_size, stop_requested
+from preflight import compile_plan, describe_plan
+from streaming_data_loader import StreamingDataLoader, estimate_memory_usage
 from tokenizer_utils import TokenizerError, eot_id, load_tokenizer, token_byte_lengths, train_bpe
 
 
@@ -99,6 +101,48 @@ class Config:
     checkpoint_every: int = field(default=1000, metadata={"help": "Save a checkpoint every N optimizer steps, and at the end"})
     output_dir: str | None = field(default=None, metadata={"help": "Where outputs go (default: a new folder under runs/)"})
     cpu_devices: int | None = field(default=None, metadata={"help": "CPU only: host devices to split each batch over (default: one per core, at most 8; see devices.py)"})
+    # memory
+    memory_budget: str | None = field(default=None, metadata={"unset": "off", "help": "Refuse to start (exit 2) if the predicted peak exceeds this, e.g. 8GB: host RSS on CPU, device memory on an accelerator"})
+    auto_fit: bool = field(default=False, metadata={"help": "With --memory-budget: pick micro-batch, accumulation, 8-bit state, mixed precision and remat to fit, keeping the effective batch"})
+    preset: str | None = field(default=None, metadata={"unset": "off", "help": "limited-ram, medium-ram, high-ram, tpu or auto: the guide's settings for that hardware; explicit flags win"})
+    memory_alert_mb: float | None = field(default=None, metadata={"unset": "off", "help": "Print a warning each time host RSS crosses this many MB"})
+
+
+# The guide's recommended settings per hardware (seed 003): RAM tiers by total host memory, and TPU.
+PRESETS = {
+    "limited-ram": dict(batch_size=8, gradient_accumulation_steps=8, use_streaming=True, use_mixed_precision=True,
+                        use_8bit_optimizer=True, shuffle_buffer_size=5_000),
+    "medium-ram": dict(batch_size=32, gradient_accumulation_steps=4, use_streaming=True, shuffle_buffer_size=10_000),
+    "high-ram": dict(batch_size=64, gradient_accumulation_steps=2, use_streaming=True, shuffle_buffer_size=50_000),
+    "tpu": dict(batch_size=128, use_streaming=True, use_mixed_precision=True, shuffle_buffer_size=100_000),
+}
+
+
+def auto_preset(total_ram_gb: float, platform: str) -> str:
+    """--preset auto: tpu on a TPU, else by total RAM (<8 GB limited, 8-16 GB medium, more high)."""
+    if platform == "tpu":
+        return "tpu"
+    return "limited-ram" if total_ram_gb < 8 else "medium-ram" if total_ram_gb <= 16 else "high-ram"
+
+
+def apply_preset(c: Config, explicit: set[str] | None = None) -> list[str]:
+    """Fill `c` from its --preset, except fields set explicitly (default: those that differ from Config's defaults)."""
+    name = c.preset
+    if name == "auto":
+        import jax
+
+        ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        name = auto_preset(ram_gb, jax.devices()[0].platform)
+    defaults = Config()
+    if explicit is None:
+        explicit = {f.name for f in dataclasses.fields(Config) if getattr(c, f.name) != getattr(defaults, f.name)}
+    changed = []
+    for k, v in PRESETS[name].items():
+        if k not in explicit and getattr(c, k) != v:
+            setattr(c, k, v)
+            changed.append(f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}")
+    c.preset = name
+    return changed
 
 
 def flag_table_rows() -> list[str]:
@@ -106,7 +150,7 @@ def flag_table_rows() -> list[str]:
     rows = []
     for f in dataclasses.fields(Config):
         d = f.default
-        d = "off" if d is False else "auto" if d is None else f"{d:,}" if type(d) is int else d
+        d = "off" if d is False else f.metadata.get("unset", "auto") if d is None else f"{d:,}" if type(d) is int else d
         rows.append(f"| `--{f.name.replace('_', '-')}` | {d} | {f.metadata['help'].replace('%%', '%')} |")
     return rows
 
@@ -128,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate(c: Config) -> None:
-    positive = ["batch_size", "gradient_accumulation_steps", "target_params", "epochs", "eval_every", "eval_tokens",
+    positive = ["memory_alert_mb", "batch_size", "gradient_accumulation_steps", "target_params", "epochs", "eval_every", "eval_tokens",
                 "log_every", "checkpoint_every", "max_steps", "max_time", "learning_rate", "vocab_size",
                 "n_layers", "d_model", "n_heads", "max_examples", "cpu_devices"]
     for name in positive:
@@ -142,6 +186,15 @@ def validate(c: Config) -> None:
     for name in ("warmup_steps", "weight_decay", "grad_clip", "shuffle_buffer_size"):
         if getattr(c, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(c, name)}: must be >= 0")
+    if c.memory_budget is not None:
+        try:
+            parse_size(c.memory_budget)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if c.auto_fit and not c.memory_budget:
+        raise ConfigError("--auto-fit needs --memory-budget (e.g. --memory-budget 4GB)")
+    if c.preset is not None and c.preset not in PRESETS and c.preset != "auto":
+        raise ConfigError(f"--preset {c.preset}: choose one of {', '.join([*PRESETS, 'auto'])}")
     if c.tokenizer and c.vocab_size:
         raise ConfigError("--tokenizer and --vocab-size: give one (the vocabulary comes from the tokenizer file)")
 
@@ -247,13 +300,25 @@ def full_load_batches(inputs: np.ndarray, targets: np.ndarray, batch_size: int, 
 # The run
 
 
-def train(config: Config, start_time: float | None = None, log=print) -> dict:
+def train(config: Config, start_time: float | None = None, log=print, explicit: set[str] | None = None) -> dict:
     """Run training as configured; returns the summary (also written to summary.json)."""
     c = dataclasses.replace(config)
     start = time.time() if start_time is None else start_time
     validate(c)
+    if c.preset:
+        changed = apply_preset(c, explicit)
+        log(f"[preset] {c.preset}: {', '.join(changed) or 'nothing to change (explicit flags win)'}")
+        validate(c)
     out = prepare_output_dir(c)
     os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
+    monitor = MemoryMonitor(alert_mb=c.memory_alert_mb, on_alert=log).start()  # RSS from here on
+    try:
+        return _train(c, start, out, monitor, log)
+    finally:
+        monitor.stop()
+
+
+def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> dict:
 
     # Tokenizer before model (the seeds' lesson): data setup needs no jax.
     source = resolve_source(c.dataset_id, dataset_config=c.dataset_config, split=c.split,
@@ -290,45 +355,82 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
         del heldout_docs
 
     if c.use_streaming:
-        loader = StreamingDataLoader(source, tokenizer, seq_len=c.seq_len, batch_size=c.batch_size,
-                                     shuffle_buffer_size=c.shuffle_buffer_size, seed=c.seed, stride=c.stride,
-                                     max_examples=c.max_examples, skip_documents=skip_docs)
-        epoch_batches = loader.iter_epoch
+        data_mb = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size)["streaming_mb"]
     else:
         inputs, targets = prepare_sequences(source, tokenizer, c.seq_len, c.stride, c.max_examples, skip_docs)
         if len(inputs) < c.batch_size:
             raise DatasetError(f"{source.name}: {len(inputs)} sequences, fewer than --batch-size {c.batch_size}")
-        log(f"[data] full load: {inputs.shape[0]:,} sequences, {(inputs.nbytes + targets.nbytes) / 2**20:.1f} MB in memory")
-        epoch_batches = lambda e: full_load_batches(inputs, targets, c.batch_size, c.seed, e)  # noqa: E731
+        data_mb = (inputs.nbytes + targets.nbytes) / 2**20
+        log(f"[data] full load: {inputs.shape[0]:,} sequences, {data_mb:.1f} MB in memory")
 
-    # Model and optimizer (jax imported only now).
+    # Model and optimizer (jax imported only now), then the memory pre-flight on the compiled step.
     import jax
     import jax.numpy as jnp
 
     from devices import configure_cpu_devices, data_mesh, needs_step_sync, shardings
 
     configure_cpu_devices(c.cpu_devices)
+    from adam8bit import state_bytes
     from checkpointing import Checkpointer
     from model import Transformer, init_params
-    from adam8bit import state_bytes
     from train_step import init_state, lr_at, make_eval_step, make_optimizer, make_sampler, make_train_step
 
-    mesh = data_mesh(c.batch_size)
+    budget = parse_size(c.memory_budget) if c.memory_budget else None
+    platform = jax.devices()[0].platform
+    if c.auto_fit:
+        choices = fit_candidates(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, budget,
+                                 devices=data_mesh(c.batch_size).devices.size, platform=platform, data_mb=data_mb)
+        if not choices:
+            raise ConfigError(f"--auto-fit: nothing fits --memory-budget {c.memory_budget} for this model "
+                              f"({n_params:,} params) at --seq-len {c.seq_len}; raise the budget or lower "
+                              f"--target-params / --seq-len")
+    else:
+        choices = [{}]
+    for i, choice in enumerate(choices[:4]):  # XLA has the last word: compile and check the best few
+        for k in ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "use_mixed_precision",
+                  "gradient_checkpointing"):
+            setattr(c, k, choice.get(k, getattr(c, k)))
+        plan = compile_plan(c, shape, data_mb, budget * 0.9 if c.auto_fit else budget)
+        if plan["refusal"] is None:
+            break
+        if not c.auto_fit:
+            for line in describe_plan(plan):
+                log(line)
+            raise ConfigError(plan["refusal"])
+    else:
+        raise ConfigError(f"--auto-fit: XLA's compiled step exceeds --memory-budget {c.memory_budget} with a 10% margin "
+                          f"for the {i + 1} best candidates (last: {plan['predicted_peak_mb']:,.0f} MB); raise the "
+                          f"budget or lower --target-params / --seq-len")
+    if c.auto_fit:
+        log(f"[auto-fit] --memory-budget {c.memory_budget}: micro-batch {c.batch_size} x accumulation "
+            f"{c.gradient_accumulation_steps} (effective batch kept), 8-bit state {'on' if c.use_8bit_optimizer else 'off'}, "
+            f"mixed precision {'on' if c.use_mixed_precision else 'off'}, gradient checkpointing "
+            f"{'on' if c.gradient_checkpointing else 'off'}: the cheapest setting (speed) predicted to fit with a 10% "
+            f"margin ({i + 1} compiled to confirm)")
+    for line in describe_plan(plan):
+        log(line)
+    mesh, train_step = plan.pop("mesh"), plan.pop("compiled")
+    monitor.device_bytes = jax_device_bytes(mesh.devices.flat[0])
     replicated, batch_sharded = shardings(mesh)
     sync_each_step = needs_step_sync(mesh)
     device = mesh.devices.flat[0]
     peak_flops, peak_source = device_peak_flops(device)
     if device.platform != "cpu":  # accelerators: the table's peak is per device
         peak_flops *= mesh.devices.size
-    dtype = jnp.bfloat16 if c.use_mixed_precision else jnp.float32
-    model = Transformer(shape, dtype=dtype, remat=c.gradient_checkpointing)
+    model = Transformer(shape, dtype=jnp.bfloat16 if c.use_mixed_precision else jnp.float32, remat=c.gradient_checkpointing)
     tx = make_optimizer(c.weight_decay, c.grad_clip, c.gradient_accumulation_steps, use_8bit=c.use_8bit_optimizer)
     state = jax.device_put(init_state(init_params(model, c.seed, c.seq_len), tx), replicated)
-    train_step, eval_step = make_train_step(model, tx), make_eval_step(model)
-    sampler = make_sampler(model, c.seq_len)
+    eval_step, sampler = make_eval_step(model), make_sampler(model, c.seq_len)
     assert sum(x.size for x in jax.tree.leaves(state.params)) == n_params
-    opt_bytes = state_bytes(state.opt_state)
-    assert opt_bytes == optimizer_state_bytes(shape, c.use_8bit_optimizer, c.gradient_accumulation_steps)
+    opt_bytes = state_bytes(state.opt_state)  # == model_sizing.optimizer_state_bytes (tested)
+
+    if c.use_streaming:  # built now: --auto-fit may have changed the micro-batch
+        loader = StreamingDataLoader(source, tokenizer, seq_len=c.seq_len, batch_size=c.batch_size,
+                                     shuffle_buffer_size=c.shuffle_buffer_size, seed=c.seed, stride=c.stride,
+                                     max_examples=c.max_examples, skip_documents=skip_docs)
+        epoch_batches = loader.iter_epoch
+    else:
+        epoch_batches = lambda e: full_load_batches(inputs, targets, c.batch_size, c.seed, e)  # noqa: E731
     fpt = flops_per_token(shape, c.seq_len)
     warmup = min(c.warmup_steps, c.max_steps // 5) if c.max_steps else c.warmup_steps
     tokens_per_step = c.batch_size * c.seq_len * c.gradient_accumulation_steps
@@ -342,7 +444,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     resolved = {**dataclasses.asdict(c), "output_dir": out, "dataset": source.name, "eval_dataset": eval_set.name,
                 "vocab_size": vocab, "stride": c.stride or c.seq_len, "warmup_steps": warmup,
                 "model": shape.to_dict(), "params": n_params, "model_flops_per_token": fpt,
-                "optimizer_state_bytes": opt_bytes,
+                "optimizer_state_bytes": opt_bytes, "memory_plan": _plan_record(plan),
                 "held_out_documents": skip_docs, "device": str(device), "devices": int(mesh.devices.size),
                 "jax_version": jax.__version__}
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -450,7 +552,7 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
                 compile_s = time.time() - train_start - first_batch_s
                 # The next interval starts now; this micro-batch's tokens ran before it.
                 interval_start, interval_wait, interval_tokens = time.time(), 0.0, -c.batch_size * c.seq_len
-                (bar.write if bar is not None else log)(f"[run] first step (compile) {compile_s:.1f}s")
+                (bar.write if bar is not None else log)(f"[run] first step {compile_s:.1f}s (the step was compiled in pre-flight)")
             if micro % c.gradient_accumulation_steps:
                 continue
             step += 1
@@ -467,6 +569,8 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
                 row = {"step": step, "loss": loss, "lr": lr, "tokens": tokens, "tokens_per_sec": tps,
                        "mfu": fpt * tps / peak_flops, "data_wait_frac": interval_wait / max(now - interval_start, 1e-9),
                        "rss_mb": rss_mb(), "elapsed_s": now - start, "epoch": epoch}
+                if monitor.device_mb is not None:
+                    row["device_mb"] = monitor.device_mb
                 emit(row, f"step {step:6d} | loss {loss:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s | mfu {row['mfu']:.1%} "
                           f"| wait {row['data_wait_frac']:.1%} | rss {row['rss_mb']:,.0f} MB | {now - start:.0f}s")
                 if bar is not None:
@@ -485,6 +589,8 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
                 stop_reason, done = f"--max-steps {c.max_steps}", True
             elif c.max_time and time.time() - start >= c.max_time:
                 stop_reason, done = f"--max-time {c.max_time:g}s", True
+            elif stop_requested(out):
+                stop_reason, done = f"{os.path.basename(stop_requested(out))} file in the output dir", True
         if done:
             break
         if epoch == 0 and not (c.max_steps or c.max_time):  # one epoch counted: the schedule is exact now
@@ -507,13 +613,15 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
     summary = {
         "eval_loss": last_eval["eval_loss"], "eval_ppl": last_eval["eval_ppl"], "eval_bpb": last_eval["eval_bpb"],
         "params": n_params, "steps": step, "tokens": tokens, "epochs_started": epoch + 1,
-        "wall_time_s": time.time() - start, "train_time_s": train_seconds, "compile_time_s": compile_s,
+        "wall_time_s": time.time() - start, "train_time_s": train_seconds, "compile_time_s": (compile_s or 0.0) + plan["compile_s"],
         "first_batch_time_s": first_batch_s,
         "eval_time_s": eval_seconds,
         "tokenizer_time_s": tok_seconds, "tokens_per_sec": trained_tokens / max(train_seconds, 1e-9),
         "model_flops_per_token": fpt, "mfu": fpt * trained_tokens / max(train_seconds, 1e-9) / peak_flops,
         "peak_flops": peak_flops, "data_wait_frac": wait / max(train_seconds, 1e-9),
-        "peak_rss_mb": peak_rss_mb(), "optimizer_state_bytes": opt_bytes,
+        "peak_rss_mb": max(peak_rss_mb(), monitor.snapshot()["peak_rss_mb"]),
+        "peak_device_mb": monitor.snapshot()["peak_device_mb"], **_plan_record(plan),
+        "optimizer_state_bytes": opt_bytes,
         "stop_reason": stop_reason, "output_dir": out,
     }
     with open(os.path.join(out, "summary.json"), "w") as f:
@@ -522,6 +630,11 @@ def train(config: Config, start_time: float | None = None, log=print) -> dict:
         f"| bpb {summary['eval_bpb']:.4f} | {summary['tokens_per_sec']:,.0f} tok/s | mfu {summary['mfu']:.1%} "
         f"| peak rss {summary['peak_rss_mb']:,.0f} MB | {out}")
     return summary
+
+
+def _plan_record(plan: dict) -> dict:
+    """The pre-flight's predictions, for config.json and summary.json (every run checks the estimate)."""
+    return {k: round(plan[k], 1) for k in ("estimated_peak_rss_mb", "estimated_device_mb", "compiled_device_mb")}
 
 
 def _progress_bar(total: int | None):
@@ -534,10 +647,14 @@ def _progress_bar(total: int | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for action in parser._actions:  # a second parse without defaults tells which flags were given
+        action.default = argparse.SUPPRESS
+    explicit = set(vars(parser.parse_args(argv)))
     config = Config(**vars(args))
     try:
-        train(config, start_time=_PROCESS_START)
+        train(config, start_time=_PROCESS_START, explicit=explicit)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
