@@ -22,8 +22,8 @@ the nearest code of its map. Design choices, each tested in tests/test_adam8bit.
 - Non-finite gradients (`nonfinite`): "skip" (default) leaves the whole state untouched and returns a
   zero update for a step with any NaN/Inf gradient, counting it in `state.skipped`; "zero" treats
   non-finite elements as 0 and updates the rest. Either way no NaN ever reaches a block's absmax,
-  which would silently wreck all 256 of its elements. (Raising is the caller's job outside jit:
-  the trainer stops a run when `skipped` grows; see train_step.py.)
+  which would silently wreck all 256 of its elements. (Raising is the caller's job outside jit: the
+  trainer wraps its whole chain in optax.apply_if_finite and stops on the step's `finite` flag.)
 
 State per quantized parameter: 1 + 1 bytes of codes per element + 2 x 4 bytes per 256-element block
 = 2.03 bytes/param, against 8 for float32 Adam.
@@ -195,6 +195,9 @@ def scale_by_adam_8bit(
                 g_NxB = _blocks(g)
                 m_NxB = b1 * dequantize_blocks(_blocks(m.codes), m.scales, m_map) + (1 - b1) * g_NxB
                 v_NxB = b2 * dequantize_blocks(_blocks(v.codes), v.scales, v_map) + (1 - b2) * g_NxB * g_NxB
+                if g.size % BLOCK:  # padded lanes of a partial last block: code 0 is not 0.0, keep them out of absmax
+                    valid = (jnp.arange(m_NxB.size) < g.size).reshape(m_NxB.shape)
+                    m_NxB, v_NxB = jnp.where(valid, m_NxB, 0.0), jnp.where(valid, v_NxB, 0.0)
                 u = _unblocks((m_NxB / c1) / (jnp.sqrt(v_NxB / c2) + eps), g.shape)
                 (mc, ms), (vc, vs) = quantize_blocks(m_NxB, m_map), quantize_blocks(v_NxB, v_map)
                 new_m = QuantizedArray(_unblocks(mc, g.shape), ms)

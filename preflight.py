@@ -75,7 +75,8 @@ def compile_plan(c, shape, data_mb: float, budget_bytes: int | None) -> dict:
         refusal = (f"--memory-budget {budget_bytes / MB:,.0f} MB: this run needs ~{predicted:,.0f} MB of {what} "
                    f"(compiled step {compiled_mb:,.0f} MB/device x {n_dev}); add --auto-fit, or try "
                    f"--use-8bit-optimizer / a smaller --batch-size with more --gradient-accumulation-steps")
-    return {"mesh": mesh, "compiled": compiled, "compile_s": compile_s, "estimate": est, "platform": platform,
+    est["data_pipeline_mb"] = round(data_mb, 3)
+    return {"mesh": mesh, "compiled": compiled, "model": model, "tx": tx, "compile_s": compile_s, "estimate": est, "platform": platform,
             "devices": n_dev, "compiled_device_mb": compiled_mb, "estimated_device_mb": est["device_total_mb"],
             "estimated_peak_rss_mb": rss_mb, "predicted_peak_mb": predicted, "limit_mb": limit,
             "what": what, "refusal": refusal}

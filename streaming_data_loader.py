@@ -76,6 +76,7 @@ class StreamingDataLoader:
         self.max_examples, self.skip_documents = max_examples, skip_documents
         self.prefetch, self.chunk_chars = prefetch, chunk_chars
         self.epoch = 0
+        self.state: dict | None = None  # after each batch: where the stream is (see iter_epoch)
         # Counters for the current epoch (read by the trainer and the memory-bound test).
         self.documents_read = 0
         self.tokens_read = 0
@@ -87,10 +88,23 @@ class StreamingDataLoader:
     def __iter__(self) -> Iterator[Batch]:
         return self.iter_epoch(self.epoch)
 
-    def iter_epoch(self, epoch: int) -> Iterator[Batch]:
+    def iter_epoch(self, epoch: int, state: dict | None = None) -> Iterator[Batch]:
+        """Batches of epoch `epoch`; from `state` (a `loader.state` saved earlier) on, when given.
+
+        After each batch `self.state` describes the stream just after it: the epoch, documents read
+        from the source, the shuffle buffer's documents, its pre-drawn indices and RNG, and the tokens
+        encoded but not yet packed. Resuming from it yields exactly the batches that would have followed.
+        """
+        if state is not None and state["epoch"] != epoch:
+            raise ValueError(f"loader state is for epoch {state['epoch']}, not {epoch}")
         self.epoch = epoch
+        self._resume = state
         gen = self._batches(epoch)
-        return _prefetched(gen, self.prefetch) if self.prefetch > 0 else gen
+        return self._tracked(_prefetched(gen, self.prefetch) if self.prefetch > 0 else gen)
+
+    def state_json(self) -> dict | None:
+        """`state` as plain JSON types (what a checkpoint stores); iter_epoch accepts it back."""
+        return None if self.state is None else {**self.state, "carry": self.state["carry"].tolist()}
 
     @property
     def tokens_per_batch(self) -> int:
@@ -98,44 +112,70 @@ class StreamingDataLoader:
 
     # -- pipeline -------------------------------------------------------------------------------
 
+    def _tracked(self, pairs: Iterator[tuple[Batch, dict]]) -> Iterator[Batch]:
+        try:
+            for batch, state in pairs:
+                self.state = state
+                yield batch
+        finally:
+            pairs.close()
+
     def _documents(self, epoch: int) -> Iterator[str]:
         shuffle = self.shuffle_buffer_size > 1
         seed = (self.seed * 1_000_003 + epoch) if shuffle else None
         docs = self.source.documents(shuffle_seed=seed, skip_head=self.skip_documents)
         yield from itertools.islice(docs, self.max_examples)
 
-    def _shuffled(self, docs: Iterator[str], rng: np.random.Generator) -> Iterator[str]:
-        size = self.shuffle_buffer_size
-        if size <= 1:
-            yield from docs
-            return
-        buf: list[str] = []
-        picks = iter(())
-        for doc in docs:
-            if len(buf) < size:
-                buf.append(doc)
-                self.max_buffered_documents = max(self.max_buffered_documents, len(buf))
-                continue
-            i = next(picks, None)
-            if i is None:  # draw indices in blocks: one numpy call per 4096 documents
-                picks = iter(rng.integers(0, size, 4096).tolist())
-                i = next(picks)
-            out, buf[i] = buf[i], doc
-            yield out
-        for i in rng.permutation(len(buf)).tolist():
-            yield buf[i]
-
-    def _batches(self, epoch: int) -> Iterator[Batch]:
+    def _batches(self, epoch: int) -> Iterator[tuple[Batch, dict]]:
+        """(batch, state after it) pairs; the shuffle buffer and packing state are explicit so they can be saved."""
+        resume, self._resume = getattr(self, "_resume", None), None
         self.documents_read = self.tokens_read = 0
         self.max_buffered_documents = self.max_carry_tokens = 0
         rng = np.random.default_rng([self.seed, epoch])
-        L, B, stride = self.seq_len, self.batch_size, self.stride
+        L, B, stride, size = self.seq_len, self.batch_size, self.stride, self.shuffle_buffer_size
         carry = np.zeros(0, np.int32)
+        buf: list[str] = []
+        picks: list[int] = []  # indices drawn in blocks: one numpy call per 4096 documents
+        pos = 0
+        drain: list[int] | None = None  # the order the buffer empties in at the end of the source
+        if resume is not None:
+            self.documents_read, self.tokens_read = resume["documents_read"], resume["tokens_read"]
+            buf, picks, pos, drain = list(resume["buffer"]), list(resume["picks"]), resume["pick_pos"], resume["drain"]
+            rng.bit_generator.state = resume["rng"]
+            carry = np.asarray(resume["carry"], np.int32)
+        source = itertools.islice(self._documents(epoch), self.documents_read, None)
+
+        def shuffled() -> Iterator[str]:
+            nonlocal picks, pos, drain
+            if drain is None:
+                for doc in source:
+                    self.documents_read += 1
+                    if size <= 1:
+                        yield doc
+                    elif len(buf) < size:
+                        buf.append(doc)
+                        self.max_buffered_documents = max(self.max_buffered_documents, len(buf))
+                    else:
+                        if pos == len(picks):
+                            picks, pos = rng.integers(0, size, 4096).tolist(), 0
+                        i, pos = picks[pos], pos + 1
+                        out, buf[i] = buf[i], doc
+                        yield out
+                drain, pos = rng.permutation(len(buf)).tolist(), 0
+            while pos < len(drain):
+                pos += 1
+                yield buf[drain[pos - 1]]
+
+        def snapshot() -> dict:
+            return {"epoch": epoch, "documents_read": self.documents_read, "tokens_read": self.tokens_read,
+                    "buffer": list(buf), "picks": picks[pos:] if drain is None else [], "pick_pos": 0 if drain is None else pos,
+                    "drain": drain, "rng": rng.bit_generator.state, "carry": carry.copy()}
+
         chunk: list[str] = []
         chunk_len = 0
-        yielded = False
+        yielded = resume is not None
 
-        def flush() -> Iterator[Batch]:
+        def flush() -> Iterator[tuple[Batch, dict]]:
             nonlocal carry
             tokens = encode_documents(self.tokenizer, chunk, self.eot)
             self.tokens_read += len(tokens)
@@ -146,21 +186,20 @@ class StreamingDataLoader:
                 if len(rows) < B:
                     return
                 carry = carry[used:]
-                yield {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}
+                yield {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}, snapshot()
 
-        for doc in self._shuffled(self._documents(epoch), rng):
-            self.documents_read += 1
+        for doc in shuffled():
             chunk.append(doc)
             chunk_len += len(doc)
             if chunk_len >= self.chunk_chars:
-                for batch in flush():
+                for item in flush():
                     yielded = True
-                    yield batch
+                    yield item
                 chunk, chunk_len = [], 0
-        if chunk:
-            for batch in flush():
+        if chunk or len(carry):
+            for item in flush():
                 yielded = True
-                yield batch
+                yield item
         if not yielded:
             need = (B - 1) * stride + L + 1
             raise DatasetError(
@@ -274,7 +313,7 @@ def estimate_memory_usage(
         raise ValueError(f"batch_size {batch_size} does not split over {devices} devices")
     dev = device_breakdown(shape, seq_len, batch_size // devices, mixed_precision=mixed_precision,
                            gradient_checkpointing=gradient_checkpointing, use_8bit_optimizer=use_8bit_optimizer,
-                           gradient_accumulation_steps=gradient_accumulation_steps)
+                           gradient_accumulation_steps=gradient_accumulation_steps, devices=devices)
     for k, v in dev.items():
         out[f"{k}_mb" if k != "total" else "device_total_mb"] = round(v * mb, 3)
     data_mb = streaming_mb if streaming else full

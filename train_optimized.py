@@ -46,7 +46,7 @@ from model_sizing import (
 from run_metrics import MetricsLog, device_peak_flops, peak_rss_mb, rss_mb
 from memory_estimate import fit_candidates
 from memory_monitor import MemoryMonitor, jax_device_bytes, parse_size, stop_requested
-from preflight import compile_plan, describe_plan
+from preflight import available_host_mb, compile_plan, describe_plan
 from streaming_data_loader import StreamingDataLoader, estimate_memory_usage
 from tokenizer_utils import TokenizerError, eot_id, load_tokenizer, token_byte_lengths, train_bpe
 
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, "bool"):
-            p.add_argument(flag, action="store_true", help=f.metadata["help"])
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
             continue
         base = str(f.type).split(" | ")[0].strip("'")
         kind = {"int": int, "float": float, "str": str}[base]
@@ -306,6 +306,10 @@ def train(config: Config, start_time: float | None = None, log=print, explicit: 
     start = time.time() if start_time is None else start_time
     validate(c)
     if c.preset:
+        if c.preset == "auto":  # it asks jax for the platform: the host devices must be set up first
+            from devices import configure_cpu_devices
+
+            configure_cpu_devices(c.cpu_devices)
         changed = apply_preset(c, explicit)
         log(f"[preset] {c.preset}: {', '.join(changed) or 'nothing to change (explicit flags win)'}")
         validate(c)
@@ -372,14 +376,17 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
     configure_cpu_devices(c.cpu_devices)
     from adam8bit import state_bytes
     from checkpointing import Checkpointer
-    from model import Transformer, init_params
-    from train_step import init_state, lr_at, make_eval_step, make_optimizer, make_sampler, make_train_step
+    from model import init_params
+    from train_step import init_state, lr_at, make_eval_step, make_sampler
 
     budget = parse_size(c.memory_budget) if c.memory_budget else None
     platform = jax.devices()[0].platform
     if c.auto_fit:
-        choices = fit_candidates(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, budget,
-                                 devices=data_mesh(c.batch_size).devices.size, platform=platform, data_mb=data_mb)
+        limit = available_host_mb() if platform == "cpu" else None
+        fit_to = min(budget, int(limit * 2**20)) if limit else budget
+        choices = fit_candidates(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, fit_to,
+                                 max_devices=len(jax.devices()), platform=platform, data_mb=data_mb,
+                                 user=(c.use_8bit_optimizer, c.use_mixed_precision, c.gradient_checkpointing))
         if not choices:
             raise ConfigError(f"--auto-fit: nothing fits --memory-budget {c.memory_budget} for this model "
                               f"({n_params:,} params) at --seq-len {c.seq_len}; raise the budget or lower "
@@ -390,7 +397,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
         for k in ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "use_mixed_precision",
                   "gradient_checkpointing"):
             setattr(c, k, choice.get(k, getattr(c, k)))
-        plan = compile_plan(c, shape, data_mb, budget * 0.9 if c.auto_fit else budget)
+        plan = compile_plan(c, shape, data_mb, int(budget * 0.9) if c.auto_fit else budget)
         if plan["refusal"] is None:
             break
         if not c.auto_fit:
@@ -398,9 +405,8 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
                 log(line)
             raise ConfigError(plan["refusal"])
     else:
-        raise ConfigError(f"--auto-fit: XLA's compiled step exceeds --memory-budget {c.memory_budget} with a 10% margin "
-                          f"for the {i + 1} best candidates (last: {plan['predicted_peak_mb']:,.0f} MB); raise the "
-                          f"budget or lower --target-params / --seq-len")
+        raise ConfigError(f"--auto-fit: none of the {i + 1} best candidates fits once compiled (last: "
+                          f"{plan['refusal']}); raise the budget or lower --target-params / --seq-len")
     if c.auto_fit:
         log(f"[auto-fit] --memory-budget {c.memory_budget}: micro-batch {c.batch_size} x accumulation "
             f"{c.gradient_accumulation_steps} (effective batch kept), 8-bit state {'on' if c.use_8bit_optimizer else 'off'}, "
@@ -409,7 +415,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
             f"margin ({i + 1} compiled to confirm)")
     for line in describe_plan(plan):
         log(line)
-    mesh, train_step = plan.pop("mesh"), plan.pop("compiled")
+    mesh, train_step, model, tx = plan.pop("mesh"), plan.pop("compiled"), plan.pop("model"), plan.pop("tx")
     monitor.device_bytes = jax_device_bytes(mesh.devices.flat[0])
     replicated, batch_sharded = shardings(mesh)
     sync_each_step = needs_step_sync(mesh)
@@ -417,8 +423,6 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
     peak_flops, peak_source = device_peak_flops(device)
     if device.platform != "cpu":  # accelerators: the table's peak is per device
         peak_flops *= mesh.devices.size
-    model = Transformer(shape, dtype=jnp.bfloat16 if c.use_mixed_precision else jnp.float32, remat=c.gradient_checkpointing)
-    tx = make_optimizer(c.weight_decay, c.grad_clip, c.gradient_accumulation_steps, use_8bit=c.use_8bit_optimizer)
     state = jax.device_put(init_state(init_params(model, c.seed, c.seq_len), tx), replicated)
     eval_step, sampler = make_eval_step(model), make_sampler(model, c.seq_len)
     assert sum(x.size for x in jax.tree.leaves(state.params)) == n_params
@@ -500,6 +504,15 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
             f.write(f"=== step {step}\n{text}\n\n")
         return text
 
+    def first_nonfinite() -> int | None:
+        """Sync the pending per-micro-step flags; the optimizer step of the first non-finite one, if any."""
+        nonlocal finite, checked_micro
+        if not finite:
+            return None
+        ok, base = np.asarray(jnp.stack(finite)), checked_micro
+        checked_micro, finite = checked_micro + len(finite), []
+        return None if ok.all() else (base + int(np.argmin(ok))) // c.gradient_accumulation_steps + 1
+
     def save(step: int, tokens: int, epoch: int) -> None:
         ckpt.save(step, state, {"step": step, "tokens": tokens, "epoch": epoch, "micro_step": micro})
 
@@ -509,6 +522,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
     last_eval: dict | None = None
     losses: list = []
     finite: list = []  # per micro-step: loss and gradient finite (a non-finite step changed nothing)
+    checked_micro = 0  # micro-steps whose flags have been checked
     wait = eval_seconds = 0.0
     warmup_end: float | None = None  # run progress when warmup finished: the cosine spans the rest
     compile_s = None
@@ -562,8 +576,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
                 bar.update(1)
             if step % c.log_every == 0:
                 loss = float(jnp.mean(jnp.stack(losses)))  # the only host sync in the loop
-                ok = np.asarray(jnp.stack(finite))
-                losses, finite = [], []
+                losses = []
                 now = time.time()
                 tps = interval_tokens / max(now - interval_start, 1e-9)
                 row = {"step": step, "loss": loss, "lr": lr, "tokens": tokens, "tokens_per_sec": tps,
@@ -575,12 +588,12 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
                           f"| wait {row['data_wait_frac']:.1%} | rss {row['rss_mb']:,.0f} MB | {now - start:.0f}s")
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
-                if not ok.all():  # the optimizer skipped it; stop before anything else is saved
-                    bad = step - c.log_every + int(np.argmin(ok)) // c.gradient_accumulation_steps + 1
-                    stop_reason = f"non-finite loss or gradient at step {bad} (skipped; nothing saved after it)"
-                    nonfinite_stop = done = True
-                    break
                 interval_start, interval_wait, interval_tokens = now, 0.0, 0
+            if (step % c.log_every == 0 or step % c.eval_every == 0 or step % c.checkpoint_every == 0) \
+                    and (bad := first_nonfinite()):  # the optimizer skipped it: stop before anything is saved
+                stop_reason = f"non-finite loss or gradient at step {bad} (skipped; nothing saved after it)"
+                nonfinite_stop = done = True
+                break
             if step % c.eval_every == 0:
                 last_eval = evaluate(step, tokens)
             if step % c.checkpoint_every == 0:
@@ -589,12 +602,15 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
                 stop_reason, done = f"--max-steps {c.max_steps}", True
             elif c.max_time and time.time() - start >= c.max_time:
                 stop_reason, done = f"--max-time {c.max_time:g}s", True
-            elif stop_requested(out):
-                stop_reason, done = f"{os.path.basename(stop_requested(out))} file in the output dir", True
+            elif stop_file := stop_requested(out):
+                stop_reason, done = f"{os.path.basename(stop_file)} file in the output dir", True
         if done:
             break
         if epoch == 0 and not (c.max_steps or c.max_time):  # one epoch counted: the schedule is exact now
             est_total_tokens = tokens * epochs
+    if not nonfinite_stop and (bad := first_nonfinite()):
+        stop_reason = f"non-finite loss or gradient at step {bad} (skipped; nothing saved after it)"
+        nonfinite_stop = True
     if hasattr(batches, "close"):
         batches.close()  # stops the prefetch thread before the final eval
     train_seconds = time.time() - train_start - first_batch_s - (compile_s or 0.0) - eval_seconds

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1,4,16", help="comma-separated multipliers; the first is the baseline")
     ap.add_argument("--steps", type=int, default=30, help="--max-steps of each training run")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="runs per size and path; the median peak is reported (RSS varies +-40 MB run to run here)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, runs, corpora)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -106,8 +109,10 @@ def main() -> None:
         for k in sizes:
             data, n_bytes = build_corpus(tmp, k)
             print(f"[bench] {k}x: {n_bytes / 1e6:.1f} MB in {len(os.listdir(data))} files", flush=True)
-            stream, _ = run_trainer(tmp, data, tok, args.steps, True, f"{k}x_streaming")
-            full, _ = run_trainer(tmp, data, tok, args.steps, False, f"{k}x_full_load")
+            stream = statistics.median(run_trainer(tmp, data, tok, args.steps, True, f"{k}x_streaming_{r}")[0]
+                                       for r in range(args.reps))
+            full = statistics.median(run_trainer(tmp, data, tok, args.steps, False, f"{k}x_full_load_{r}")[0]
+                                     for r in range(args.reps))
             rows.append((k, n_bytes / 1e6, stream, full))
             if not args.keep:
                 shutil.rmtree(data)
