@@ -112,8 +112,8 @@ def measure_matmul_flops(n: int = 2048, reps: int = 3) -> float:
 class MetricsLog:
     """Writes one JSON object per line to a new metrics.jsonl (line-buffered: a crash loses at most a row)."""
 
-    def __init__(self, path: str):
-        self.file = open(path, "w", buffering=1)
+    def __init__(self, path: str, append: bool = False):
+        self.file = open(path, "a" if append else "w", buffering=1)
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")

@@ -15,10 +15,14 @@ _PROCESS_START = time.time()  # --max-time counts from here when run as a script
 
 import argparse
 import dataclasses
+import hashlib
+import itertools
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -105,6 +109,7 @@ class Config:
     memory_budget: str | None = field(default=None, metadata={"unset": "off", "help": "Refuse to start (exit 2) if the predicted peak exceeds this, e.g. 8GB: host RSS on CPU, device memory on an accelerator"})
     auto_fit: bool = field(default=False, metadata={"help": "With --memory-budget: pick micro-batch, accumulation, 8-bit state, mixed precision and remat to fit, keeping the effective batch"})
     preset: str | None = field(default=None, metadata={"unset": "off", "help": "limited-ram, medium-ram, high-ram, tpu or auto: the guide's settings for that hardware; explicit flags win"})
+    resume: str | None = field(default=None, metadata={"unset": "off", "nargs": "?", "const": "latest", "help": "Continue a run exactly (model, optimizer, schedule, data stream) from its newest checkpoint: --resume with --output-dir, or --resume RUN_DIR"})
     memory_alert_mb: float | None = field(default=None, metadata={"unset": "off", "help": "Print a warning each time host RSS crosses this many MB"})
 
 
@@ -167,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         base = str(f.type).split(" | ")[0].strip("'")
         kind = {"int": int, "float": float, "str": str}[base]
-        p.add_argument(flag, type=kind, default=f.default, metavar=base.upper(), help=f.metadata["help"])
+        extra = {k: f.metadata[k] for k in ("nargs", "const") if k in f.metadata}
+        p.add_argument(flag, type=kind, default=f.default, metavar=base.upper(), help=f.metadata["help"], **extra)
     return p
 
 
@@ -199,6 +205,57 @@ def validate(c: Config) -> None:
         raise ConfigError("--tokenizer and --vocab-size: give one (the vocabulary comes from the tokenizer file)")
 
 
+# What a resumed run must share with the run it continues; anything else (--max-steps, --max-time,
+# logging, eval and checkpoint cadence, memory alerts) may change.
+RESUME_IDENTITY = ("dataset_id", "dataset_config", "split", "text_column", "eval_dataset_id", "use_streaming",
+                   "shuffle_buffer_size", "max_examples", "vocab_size", "n_layers", "d_model", "n_heads", "seq_len",
+                   "stride", "batch_size", "gradient_accumulation_steps", "learning_rate", "warmup_steps",
+                   "weight_decay", "grad_clip", "use_mixed_precision", "gradient_checkpointing", "use_8bit_optimizer",
+                   "epochs", "seed")
+
+
+def resume_config(c: Config, explicit: set[str] | None = None) -> Config:
+    """The config of the run `c.resume` continues, checked against `c`: the resumed run's settings.
+
+    `explicit`: the flags given on the command line (default: the fields that differ from Config's defaults).
+    """
+    run = c.output_dir if c.resume == "latest" else c.resume
+    if run is None:
+        raise ConfigError("--resume: give the run to continue (--resume RUN_DIR, or --resume with --output-dir)")
+    run = os.path.normpath(run)
+    if os.path.basename(os.path.dirname(run)) == "checkpoints":  # a checkpoint dir: its run is two levels up
+        run = os.path.dirname(os.path.dirname(run))
+    try:
+        with open(os.path.join(run, "config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume {run}: no readable config.json there ({e}); pass the output dir of a run")
+    defaults = Config()
+    if explicit is None:
+        explicit = {f.name for f in dataclasses.fields(Config) if getattr(c, f.name) != getattr(defaults, f.name)}
+    differs = []
+    for k in RESUME_IDENTITY:
+        given, was = getattr(c, k), saved.get(k)
+        if k in explicit and given != was:
+            differs.append(f"--{k.replace('_', '-')} {given} (the run used {was})")
+    if "target_params" in explicit and c.target_params != saved.get("target_params"):
+        differs.append(f"--target-params {c.target_params} (the run used {saved.get('target_params')})")
+    if c.tokenizer and os.path.abspath(c.tokenizer) != os.path.abspath(os.path.join(run, "tokenizer.json")):
+        differs.append(f"--tokenizer {c.tokenizer} (the run has its own tokenizer.json)")
+    if differs:
+        raise ConfigError(f"--resume {run}: cannot change the model, tokenizer, data or optimizer of a run: "
+                          + "; ".join(differs) + ". Only --max-steps, --max-time and logging may change")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    keep = {k: getattr(c, k) for k in fields if k not in RESUME_IDENTITY and k not in ("target_params", "tokenizer")
+            and k in explicit}  # what this command changes; the rest as the run had it
+    resumed = Config(**{**{k: saved[k] for k in fields if k in saved}, **keep})
+    resumed.output_dir, resumed.resume = run, c.resume
+    resumed.tokenizer = os.path.join(run, "tokenizer.json")
+    resumed.vocab_size = None  # it comes with the tokenizer
+    resumed.preset, resumed.auto_fit = None, False  # their choices are in the saved settings already
+    return resumed
+
+
 def prepare_output_dir(c: Config) -> str:
     out = c.output_dir
     if out is None:
@@ -206,7 +263,7 @@ def prepare_output_dir(c: Config) -> str:
         n = 1
         while os.path.exists(out):  # two runs started in the same second
             out, n = f"{base}-{n}", n + 1
-    elif os.path.exists(os.path.join(out, "config.json")):
+    elif os.path.exists(os.path.join(out, "config.json")) and not c.resume:
         raise ConfigError(f"--output-dir {out}: already holds a run (config.json); choose a new directory "
                           f"so nothing saved there is overwritten")
     try:
@@ -305,7 +362,9 @@ def train(config: Config, start_time: float | None = None, log=print, explicit: 
     c = dataclasses.replace(config)
     start = time.time() if start_time is None else start_time
     validate(c)
-    if c.preset:
+    if c.resume:
+        c = resume_config(c, explicit)
+    if c.preset and not c.resume:
         if c.preset == "auto":  # it asks jax for the platform: the host devices must be set up first
             from devices import configure_cpu_devices
 
@@ -316,13 +375,26 @@ def train(config: Config, start_time: float | None = None, log=print, explicit: 
     out = prepare_output_dir(c)
     os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
     monitor = MemoryMonitor(alert_mb=c.memory_alert_mb, on_alert=log).start()  # RSS from here on
+    signals: list[str] = []  # SIGTERM/SIGINT seen: finish the step, save, summarise, return
+
+    def on_signal(signum, frame) -> None:
+        if signals and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C aborts at once
+        signals.append(signal.Signals(signum).name)
+        log(f"[run] {signals[-1]}: finishing this step, then saving a checkpoint (Ctrl-C again aborts at once)")
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _train(c, start, out, monitor, log)
+        return _train(c, start, out, monitor, log, signals)
     finally:
         monitor.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
-def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> dict:
+def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signals: list[str]) -> dict:
 
     # Tokenizer before model (the seeds' lesson): data setup needs no jax.
     source = resolve_source(c.dataset_id, dataset_config=c.dataset_config, split=c.split,
@@ -461,8 +533,15 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
         f"peak {peak_flops / 1e9:,.0f} GFLOP/s ({peak_source}); "
         f"{tokens_per_step:,} tokens/step; eval on {eval_set.name}: {int(eval_set.mask.sum()):,} tokens; out {out}")
 
-    metrics = MetricsLog(os.path.join(out, "metrics.jsonl"))
+    metrics = MetricsLog(os.path.join(out, "metrics.jsonl"), append=bool(c.resume))
     ckpt = Checkpointer(os.path.join(out, "checkpoints"))
+    resumed: dict = {}
+    loader_state = None
+    if c.resume:
+        if ckpt.latest_step() is None:
+            raise ConfigError(f"--resume {out}: no complete checkpoint in {out}/checkpoints (an interrupted save is skipped)")
+        state, resumed, loader_state = ckpt.restore(state)  # restored with the live state's shardings
+        log(f"[resume] step {resumed['step']} of {out}: {resumed['tokens']:,} tokens, epoch {resumed['epoch']}")
     bar = _progress_bar(c.max_steps)
 
     def emit(row: dict, line: str) -> None:
@@ -514,17 +593,21 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
         return None if ok.all() else (base + int(np.argmin(ok))) // c.gradient_accumulation_steps + 1
 
     def save(step: int, tokens: int, epoch: int) -> None:
-        ckpt.save(step, state, {"step": step, "tokens": tokens, "epoch": epoch, "micro_step": micro})
+        meta = {"step": step, "tokens": tokens, "epoch": epoch, "micro_step": micro, "epoch_micro": epoch_micro,
+                "warmup_end": warmup_end, "est_total_tokens": est_total_tokens, "data_digest": digest}
+        ckpt.save(step, state, meta, loader.state_json() if c.use_streaming else None)
 
     # ---------------------------------------------------------------------------------------------
-    step = micro = tokens = 0
-    epoch = 0
+    step, micro, tokens = resumed.get("step", 0), resumed.get("micro_step", 0), resumed.get("tokens", 0)
+    start_epoch, epoch_micro = resumed.get("epoch", 0), resumed.get("epoch_micro", 0)
+    digest = resumed.get("data_digest", "")  # sha256 chained over every micro-batch consumed
+    est_total_tokens = resumed.get("est_total_tokens", est_total_tokens)
     last_eval: dict | None = None
     losses: list = []
     finite: list = []  # per micro-step: loss and gradient finite (a non-finite step changed nothing)
-    checked_micro = 0  # micro-steps whose flags have been checked
+    checked_micro = micro  # micro-steps whose flags have been checked
     wait = eval_seconds = 0.0
-    warmup_end: float | None = None  # run progress when warmup finished: the cosine spans the rest
+    warmup_end: float | None = resumed.get("warmup_end")  # run progress when warmup finished: the cosine spans the rest
     compile_s = None
     first_batch_s = 0.0
     train_start = time.time()
@@ -533,8 +616,13 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
     nonfinite_stop = False
     done = False
     epochs = c.epochs or (10**9 if (c.max_steps or c.max_time) else 1)
-    for epoch in range(epochs):
-        batches = epoch_batches(epoch)
+    batches = iter(())
+    for epoch in range(start_epoch, epochs):
+        if epoch == start_epoch and resumed:  # continue the stream exactly where the checkpoint left it
+            batches = (loader.iter_epoch(epoch, loader_state) if c.use_streaming
+                       else itertools.islice(epoch_batches(epoch), epoch_micro, None))
+        else:
+            batches, epoch_micro = epoch_batches(epoch), 0
         while not done:
             t0 = time.perf_counter()
             batch = next(batches, None)
@@ -561,6 +649,9 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
             losses.append(m["loss"])
             finite.append(m["finite"])
             micro += 1
+            epoch_micro += 1
+            digest = hashlib.sha256(bytes.fromhex(digest) + batch["input_ids"].tobytes()
+                                    + batch["targets"].tobytes()).hexdigest()
             if compile_s is None:
                 m["loss"].block_until_ready()
                 compile_s = time.time() - train_start - first_batch_s
@@ -602,6 +693,8 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
                 stop_reason, done = f"--max-steps {c.max_steps}", True
             elif c.max_time and time.time() - start >= c.max_time:
                 stop_reason, done = f"--max-time {c.max_time:g}s", True
+            elif signals:
+                stop_reason, done = f"{signals[0]}: checkpoint saved, resume with --resume {out}", True
             elif stop_file := stop_requested(out):
                 stop_reason, done = f"{os.path.basename(stop_file)} file in the output dir", True
         if done:
@@ -625,7 +718,8 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
         save(step, tokens, epoch)
     ckpt.close()
     metrics.close()
-    trained_tokens = tokens - tokens_per_step / c.gradient_accumulation_steps  # first micro-step ran while compiling
+    # This process's tokens; the first micro-step ran in the compile/start-up window.
+    trained_tokens = tokens - resumed.get("tokens", 0) - tokens_per_step / c.gradient_accumulation_steps
     summary = {
         "eval_loss": last_eval["eval_loss"], "eval_ppl": last_eval["eval_ppl"], "eval_bpb": last_eval["eval_bpb"],
         "params": n_params, "steps": step, "tokens": tokens, "epochs_started": epoch + 1,
@@ -638,7 +732,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log) -> di
         "peak_rss_mb": max(peak_rss_mb(), monitor.snapshot()["peak_rss_mb"]),
         "peak_device_mb": monitor.snapshot()["peak_device_mb"], **_plan_record(plan),
         "optimizer_state_bytes": opt_bytes,
-        "stop_reason": stop_reason, "output_dir": out,
+        "stop_reason": stop_reason, "output_dir": out, "data_digest": digest,
     }
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -31,7 +31,7 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
     ck = Checkpointer(str(tmp_path / "ckpt"))
     ck.save(3, state, {"step": 3})
     ck.wait()
-    restored, meta = ck.restore(jax.eval_shape(lambda: state))
+    restored, meta, _ = ck.restore(jax.eval_shape(lambda: state))
     ck.close()
     assert meta["step"] == 3
     assert jax.tree.structure(restored) == jax.tree.structure(state)

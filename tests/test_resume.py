@@ -14,7 +14,7 @@ from tokenizer_utils import train_bpe
 
 @pytest.fixture(scope="module")
 def stories() -> list[str]:
-    return list(itertools.islice(read_file(str(DATA / "tinystories_train.txt")), 240))
+    return list(itertools.islice(read_file(str(DATA / "tinystories_train.txt")), 60))
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +26,15 @@ def _digest(batch) -> str:
     return hashlib.sha256(batch["input_ids"].tobytes() + batch["targets"].tobytes()).hexdigest()
 
 
-@pytest.mark.parametrize("buffer,prefetch", [(64, 2), (0, 0), (1000, 1)])
+@pytest.mark.parametrize("buffer,prefetch", [(16, 2), (0, 0), (1000, 1)])
 def test_restoring_at_every_batch_replays_the_rest_exactly(stories, tok, buffer, prefetch):
     """Every batch boundary of two epochs, through a JSON round trip as a checkpoint stores it.
 
-    buffer 64: the buffer is mid-stream most of the time; 0: no shuffling; 1000 (> the documents):
+    buffer 16: the buffer is mid-stream most of the time; 0: no shuffling; 1000 (> the 60 documents):
     the whole epoch is read into the buffer and drained, so states land inside the drain.
     """
     def make():
-        return StreamingDataLoader(ListSource("stories", stories), tok, seq_len=32, batch_size=4,
+        return StreamingDataLoader(ListSource("stories", stories), tok, seq_len=32, batch_size=8,
                                    shuffle_buffer_size=buffer, seed=7, prefetch=prefetch, chunk_chars=3000)
 
     loader = make()
@@ -54,3 +54,70 @@ def test_state_for_another_epoch_is_refused(stories, tok):
     next(iter(loader.iter_epoch(0)))
     with pytest.raises(ValueError, match="epoch 0, not 1"):
         loader.iter_epoch(1, loader.state_json())
+
+
+def _interrupting_at(monkeypatch, steps: set[int]):
+    """Make the trainer's per-step stop check fire after the given optimizer steps (as a STOP file would)."""
+    import train_optimized
+
+    calls = {"n": 0}
+
+    def fake(out):
+        calls["n"] += 1
+        return "STOP" if calls["n"] in steps else None
+
+    monkeypatch.setattr(train_optimized, "stop_requested", fake)
+
+
+def test_interrupted_and_resumed_twice_equals_one_run(tmp_path, data_dir, monkeypatch):
+    """40 steps in one go vs interrupted after 13 and 33 and resumed: same batches (digest), same losses.
+
+    Epoch 0 (200 documents) ends near step 28, so the second interruption lands in epoch 1.
+    """
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def cfg(out, **kw):
+        base = dict(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                    seq_len=64, batch_size=8, max_examples=200, shuffle_buffer_size=50, eval_tokens=2048,
+                    log_every=1, eval_every=10**6, checkpoint_every=10**6, max_steps=40, seed=3, output_dir=str(out))
+        return Config(**{**base, **kw})
+
+    quiet = lambda *_: None  # noqa: E731
+    whole = train(cfg(tmp_path / "whole"), log=quiet)
+    out = tmp_path / "interrupted"
+    _interrupting_at(monkeypatch, {13})
+    first = train(cfg(out), log=quiet)
+    assert first["steps"] == 13 and first["stop_reason"] == "STOP file in the output dir"
+    _interrupting_at(monkeypatch, {20})  # the resumed process's 20th step is step 33, in epoch 1
+    second = train(Config(resume=str(out), max_steps=40), log=quiet)
+    assert second["steps"] == 33 and second["epochs_started"] == 2
+    monkeypatch.undo()
+    final = train(Config(resume=str(out)), log=quiet)
+    assert final["steps"] == 40 and final["data_digest"] == whole["data_digest"]
+
+    def losses(run):
+        return {r["step"]: r["loss"] for r in map(json.loads, open(run / "metrics.jsonl")) if "loss" in r}
+
+    a, b = losses(tmp_path / "whole"), losses(out)
+    assert sorted(a) == sorted(b) == list(range(1, 41))
+    assert max(abs(a[k] - b[k]) for k in a) <= 1e-6
+    assert final["eval_loss"] == pytest.approx(whole["eval_loss"], abs=1e-6)
+
+
+def test_resume_refuses_a_different_model_or_dataset(tmp_path, data_dir, monkeypatch):
+    from train_optimized import Config, ConfigError, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                 seq_len=64, batch_size=8, eval_tokens=2048, max_steps=2, output_dir=str(out)), log=lambda *_: None)
+    with pytest.raises(ConfigError, match="--seq-len 96 .the run used 64."):
+        train(Config(resume=str(out), seq_len=96), log=lambda *_: None)
+    with pytest.raises(ConfigError, match="--seq-len 128 .the run used 64."):  # the CLI knows 128 was given
+        train(Config(resume=str(out), seq_len=128), log=lambda *_: None, explicit={"resume", "seq_len"})
+    with pytest.raises(ConfigError, match="--dataset-id"):
+        train(Config(resume=str(out), dataset_id=str(data_dir / "tinystories_train.txt")), log=lambda *_: None)
+    with pytest.raises(ConfigError, match="no readable config.json"):
+        train(Config(resume=str(tmp_path / "nothing")), log=lambda *_: None)

@@ -137,7 +137,7 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
     ck = Checkpointer(str(tmp_path / "ck"))
     ck.save(3, state, {"step": 3, "tokens": 72})
     ck.wait()
-    restored, meta = ck.restore(jax.eval_shape(lambda: state))
+    restored, meta, _ = ck.restore(jax.eval_shape(lambda: state))
     ck.close()
     assert meta == {"step": 3, "tokens": 72}
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
