@@ -121,3 +121,34 @@ def test_resume_refuses_a_different_model_or_dataset(tmp_path, data_dir, monkeyp
         train(Config(resume=str(out), dataset_id=str(data_dir / "tinystories_train.txt")), log=lambda *_: None)
     with pytest.raises(ConfigError, match="no readable config.json"):
         train(Config(resume=str(tmp_path / "nothing")), log=lambda *_: None)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0_then_resumes(tmp_path, data_dir):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train_optimized.py"), "--use-streaming", "--dataset-id",
+           str(data_dir / "tinyshakespeare.txt"), "--target-params", "150000", "--seq-len", "64", "--batch-size", "8",
+           "--eval-tokens", "2048", "--log-every", "1", "--max-steps", "100000", "--output-dir", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300  # a safety net against a hang, not a timing check
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    output, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, output[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("SIGTERM: checkpoint saved") and summary["steps"] >= 3
+    assert str(summary["steps"]) in [d.name for d in (out / "checkpoints").iterdir()]
+    r = subprocess.run([sys.executable, str(ROOT / "train_optimized.py"), "--resume", str(out),
+                        "--max-steps", str(summary["steps"] + 2)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == summary["steps"] + 2
