@@ -14,21 +14,40 @@ import orbax.checkpoint as ocp
 
 
 class Checkpointer:
-    def __init__(self, directory: str, max_to_keep: int | None = 3):
+    """Keeps the newest `keep` checkpoints plus the one with the best eval loss; never the last one deleted."""
+
+    def __init__(self, directory: str, keep: int | None = 3):
         self.directory = os.path.abspath(directory)
+        self.keep = keep
+        self.eval_loss: dict[int, float] = {}  # step -> eval loss of the params saved there
         self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True)
         )
 
-    def save(self, step: int, state: Any, meta: dict, loader: dict | None = None) -> None:
+    def _prune(self) -> None:
+        steps = sorted(self.manager.all_steps())
+        if self.keep is None or len(steps) <= self.keep:
+            return
+        keep = set(steps[-self.keep:])
+        scored = [s for s in steps if s in self.eval_loss]
+        if scored:
+            keep.add(min(scored, key=self.eval_loss.get))
+        for s in steps:
+            if s not in keep:
+                self.manager.delete(s)
+
+    def save(self, step: int, state: Any, meta: dict, loader: dict | None = None,
+             eval_loss: float | None = None) -> None:
         """State arrays, the run's counters (`meta`) and the data loader's stream position, in one checkpoint."""
+        if eval_loss is not None:
+            self.eval_loss[step] = eval_loss
         self.manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
                                     loader=ocp.args.JsonSave(loader or {})),
             force=True,
         )
+        self._prune()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

@@ -103,6 +103,9 @@ class Config:
     eval_tokens: int = field(default=65_536, metadata={"help": "Tokens scored per eval (a separate --eval-dataset-id file is scored whole)"})
     log_every: int = field(default=10, metadata={"help": "Log a metrics row every N optimizer steps"})
     checkpoint_every: int = field(default=1000, metadata={"help": "Save a checkpoint every N optimizer steps, and at the end"})
+    checkpoint_minutes: float | None = field(default=None, metadata={"unset": "off", "help": "Also save a checkpoint every M minutes of wall time"})
+    keep_checkpoints: int = field(default=3, metadata={"help": "Keep the newest N checkpoints plus the best by eval loss (the newest is never deleted)"})
+    skip_nonfinite: int = field(default=0, metadata={"help": "Skip up to N steps whose loss or gradient is NaN/Inf (each logged) before stopping the run"})
     output_dir: str | None = field(default=None, metadata={"help": "Where outputs go (default: a new folder under runs/)"})
     cpu_devices: int | None = field(default=None, metadata={"help": "CPU only: host devices to split each batch over (default: one per core, at most 8; see devices.py)"})
     # memory
@@ -178,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate(c: Config) -> None:
-    positive = ["memory_alert_mb", "batch_size", "gradient_accumulation_steps", "target_params", "epochs", "eval_every", "eval_tokens",
+    positive = ["checkpoint_minutes", "keep_checkpoints", "memory_alert_mb", "batch_size", "gradient_accumulation_steps", "target_params", "epochs", "eval_every", "eval_tokens",
                 "log_every", "checkpoint_every", "max_steps", "max_time", "learning_rate", "vocab_size",
                 "n_layers", "d_model", "n_heads", "max_examples", "cpu_devices"]
     for name in positive:
@@ -189,7 +192,7 @@ def validate(c: Config) -> None:
         raise ConfigError(f"--seq-len {c.seq_len}: must be at least 2")
     if c.stride is not None and not 1 <= c.stride <= c.seq_len:
         raise ConfigError(f"--stride {c.stride}: must be between 1 and --seq-len ({c.seq_len})")
-    for name in ("warmup_steps", "weight_decay", "grad_clip", "shuffle_buffer_size"):
+    for name in ("warmup_steps", "weight_decay", "grad_clip", "shuffle_buffer_size", "skip_nonfinite"):
         if getattr(c, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(c, name)}: must be >= 0")
     if c.memory_budget is not None:
@@ -534,7 +537,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         f"{tokens_per_step:,} tokens/step; eval on {eval_set.name}: {int(eval_set.mask.sum()):,} tokens; out {out}")
 
     metrics = MetricsLog(os.path.join(out, "metrics.jsonl"), append=bool(c.resume))
-    ckpt = Checkpointer(os.path.join(out, "checkpoints"))
+    ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=c.keep_checkpoints)
     resumed: dict = {}
     loader_state = None
     if c.resume:
@@ -584,18 +587,29 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         return text
 
     def first_nonfinite() -> int | None:
-        """Sync the pending per-micro-step flags; the optimizer step of the first non-finite one, if any."""
-        nonlocal finite, checked_micro
+        """Sync the pending per-micro-step flags. Non-finite steps (which changed nothing) within the
+        --skip-nonfinite allowance are logged and counted; returns the first step beyond it, if any."""
+        nonlocal finite, checked_micro, skipped_steps
         if not finite:
             return None
         ok, base = np.asarray(jnp.stack(finite)), checked_micro
         checked_micro, finite = checked_micro + len(finite), []
-        return None if ok.all() else (base + int(np.argmin(ok))) // c.gradient_accumulation_steps + 1
+        for i in np.flatnonzero(~ok).tolist():
+            bad = (base + i) // c.gradient_accumulation_steps + 1
+            if skipped_steps >= c.skip_nonfinite:
+                return bad
+            skipped_steps += 1
+            log(f"[run] step {bad}: non-finite loss or gradient, skipped ({skipped_steps} of --skip-nonfinite {c.skip_nonfinite})")
+        return None
 
     def save(step: int, tokens: int, epoch: int) -> None:
         meta = {"step": step, "tokens": tokens, "epoch": epoch, "micro_step": micro, "epoch_micro": epoch_micro,
-                "warmup_end": warmup_end, "est_total_tokens": est_total_tokens, "data_digest": digest}
-        ckpt.save(step, state, meta, loader.state_json() if c.use_streaming else None)
+                "warmup_end": warmup_end, "est_total_tokens": est_total_tokens, "data_digest": digest,
+                "skipped_nonfinite": skipped_steps}
+        ckpt.save(step, state, meta, loader.state_json() if c.use_streaming else None,
+                  eval_loss=last_eval["eval_loss"] if last_eval and last_eval["step"] == step else None)
+        nonlocal last_save
+        last_save = time.time()
 
     # ---------------------------------------------------------------------------------------------
     step, micro, tokens = resumed.get("step", 0), resumed.get("micro_step", 0), resumed.get("tokens", 0)
@@ -606,6 +620,8 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
     losses: list = []
     finite: list = []  # per micro-step: loss and gradient finite (a non-finite step changed nothing)
     checked_micro = micro  # micro-steps whose flags have been checked
+    skipped_steps = resumed.get("skipped_nonfinite", 0)
+    last_save = time.time()
     wait = eval_seconds = 0.0
     warmup_end: float | None = resumed.get("warmup_end")  # run progress when warmup finished: the cosine spans the rest
     compile_s = None
@@ -680,14 +696,15 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
                 interval_start, interval_wait, interval_tokens = now, 0.0, 0
-            if (step % c.log_every == 0 or step % c.eval_every == 0 or step % c.checkpoint_every == 0) \
-                    and (bad := first_nonfinite()):  # the optimizer skipped it: stop before anything is saved
+            save_due = step % c.checkpoint_every == 0 or bool(
+                c.checkpoint_minutes and time.time() - last_save >= 60 * c.checkpoint_minutes)
+            if (step % c.log_every == 0 or step % c.eval_every == 0 or save_due) and (bad := first_nonfinite()):  # the optimizer skipped it: stop before anything is saved
                 stop_reason = f"non-finite loss or gradient at step {bad} (skipped; nothing saved after it)"
                 nonfinite_stop = done = True
                 break
             if step % c.eval_every == 0:
                 last_eval = evaluate(step, tokens)
-            if step % c.checkpoint_every == 0:
+            if save_due:
                 save(step, tokens, epoch)
             if c.max_steps and step >= c.max_steps:
                 stop_reason, done = f"--max-steps {c.max_steps}", True
@@ -714,7 +731,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
     log(f"[run] stopped: {stop_reason}")
     if last_eval is None or last_eval["step"] != step:
         last_eval = evaluate(step, tokens)
-    if step % c.checkpoint_every and not nonfinite_stop:
+    if ckpt.latest_step() != step and not nonfinite_stop:
         save(step, tokens, epoch)
     ckpt.close()
     metrics.close()
@@ -732,7 +749,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         "peak_rss_mb": max(peak_rss_mb(), monitor.snapshot()["peak_rss_mb"]),
         "peak_device_mb": monitor.snapshot()["peak_device_mb"], **_plan_record(plan),
         "optimizer_state_bytes": opt_bytes,
-        "stop_reason": stop_reason, "output_dir": out, "data_digest": digest,
+        "stop_reason": stop_reason, "output_dir": out, "data_digest": digest, "skipped_nonfinite": skipped_steps,
     }
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -152,3 +152,28 @@ def test_sigterm_finishes_the_step_saves_and_exits_0_then_resumes(tmp_path, data
                         "--max-steps", str(summary["steps"] + 2)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == summary["steps"] + 2
+
+
+def test_keep_policy_keeps_newest_and_best_by_eval(tmp_path):
+    import jax.numpy as jnp
+
+    from checkpointing import Checkpointer
+
+    ck = Checkpointer(str(tmp_path / "ckpt"), keep=2)
+    losses = {2: 1.5, 5: 2.0}  # step 2 has the best eval loss
+    for step in range(1, 7):
+        ck.save(step, {"w": jnp.full((4,), step)}, {"step": step}, eval_loss=losses.get(step))
+    ck.wait()
+    assert sorted(ck.manager.all_steps()) == [2, 5, 6]
+    ck.close()
+
+
+def test_checkpoint_minutes_and_keep_in_the_trainer(tmp_path, data_dir, monkeypatch):
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                 seq_len=64, batch_size=8, eval_tokens=2048, max_steps=5, checkpoint_minutes=1e-9,
+                 keep_checkpoints=2, output_dir=str(out)), log=lambda *_: None)
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [4, 5]
