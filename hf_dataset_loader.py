@@ -7,10 +7,16 @@ Local files are read incrementally (never whole into memory, except a `.json` ar
 streaming loader's memory does not grow with the dataset.
 
     .txt              documents separated by `<|endoftext|>` when the file contains it, else by blank
-                      lines; newlines inside a document are kept. Invalid UTF-8 is replaced (U+FFFD).
+                      lines; newlines inside a document are kept. Memory: one document + one read chunk.
     .jsonl / .json    one JSON object per line (or a JSON array); the text column is auto-detected.
     .parquet / .csv   read in record batches; the text column is auto-detected.
-    directory / glob  every supported file in it, in sorted order.
+    directory / glob  every supported file in it, in sorted order; files of other types are skipped,
+                      with a count. A file named on its own must have one of LOCAL_EXTENSIONS.
+
+Hostile input: invalid UTF-8 is replaced by U+FFFD (counted per file in `REPLACED_BYTES`, warned once
+per file); empty or whitespace-only documents are skipped; anything unreadable (a malformed JSON line,
+a missing text column, a corrupt Parquet file, an unreadable file) is a one-line DatasetError naming
+the file (and line, for JSON Lines).
 
 No jax here: numpy + tokenizers + datasets only.
 """
@@ -23,10 +29,12 @@ import csv
 import glob
 import itertools
 import json
+import logging
 import os
 import random
 import re
 import sys
+import threading
 import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +51,47 @@ _BLANK_LINES = re.compile(r"\n[ \t\r]*\n")
 
 class DatasetError(ValueError):
     """Bad dataset input; the message is one line naming the flag or file and the fix."""
+
+
+_log = logging.getLogger(__name__)
+
+# Invalid UTF-8 bytes replaced by U+FFFD, per file path, in the latest complete read of that file.
+# A genuine U+FFFD in the file is not counted: the count comes from the decoder's error handler.
+REPLACED_BYTES: dict[str, int] = {}
+_warned_replaced: set[str] = set()
+_decode_errors = threading.local()  # the handler has no idea which file it decodes: count per thread
+
+
+def _replace_and_count(e: UnicodeError) -> tuple[str, int]:
+    """Like errors="replace" (one U+FFFD per invalid sequence) but counts the invalid bytes."""
+    _decode_errors.n = getattr(_decode_errors, "n", 0) + (e.end - e.start)
+    return "\ufffd", e.end
+
+
+_REPLACE = "hf_dataset_loader.replace_and_count"
+codecs.register_error(_REPLACE, _replace_and_count)
+
+
+def _counting_replacements(path: str, items: Iterator) -> Iterator:
+    """Yield from `items` (whose decoding uses _REPLACE), attributing replaced bytes to `path`.
+
+    The count is taken around each next(): decoding happens inside it, on this thread, so readers of
+    other files interleaved on the same thread do not mix their counts.
+    """
+    replaced = 0
+    while True:
+        before = getattr(_decode_errors, "n", 0)
+        try:
+            item = next(items)
+        except StopIteration:
+            break
+        finally:
+            replaced += getattr(_decode_errors, "n", 0) - before
+        yield item
+    REPLACED_BYTES[path] = replaced
+    if replaced and path not in _warned_replaced:  # once per file, not once per epoch
+        _warned_replaced.add(path)
+        _log.warning("[data] %s: %d bytes of invalid UTF-8 replaced by U+FFFD", path, replaced)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,25 +215,43 @@ def _looks_like_path(spec: str) -> bool:
     )
 
 
-def local_paths(spec: str, flag: str = "--dataset-id") -> list[str] | None:
+def _supported(path: str) -> bool:
+    return path.lower().endswith(LOCAL_EXTENSIONS)
+
+
+def _skip_unsupported(found: list[str], flag: str, spec: str, log) -> list[str]:
+    """The supported files of a directory or glob; the others are skipped, and said so (with a count)."""
+    paths = sorted(p for p in found if _supported(p))
+    skipped = sorted({os.path.splitext(p)[1].lower() or "(none)" for p in found if not _supported(p)})
+    if skipped and paths:
+        log(f"[data] {flag} {spec}: skipped {len(found) - len(paths)} file(s) of unsupported type "
+            f"({', '.join(skipped)}); supported: {' '.join(LOCAL_EXTENSIONS)}")
+    return paths
+
+
+def local_paths(spec: str, flag: str = "--dataset-id", log=print) -> list[str] | None:
     """Files named by a path, directory or glob; None when `spec` is not a local path at all."""
     spec = os.path.expanduser(spec)
     if os.path.isdir(spec):
-        paths = [
-            os.path.join(root, f)
-            for root, _, files in os.walk(spec)
-            for f in files
-            if f.lower().endswith(LOCAL_EXTENSIONS)
-        ]
+        found = [os.path.join(root, f) for root, _, files in os.walk(spec) for f in files]
+        paths = _skip_unsupported(found, flag, spec, log)
         if not paths:
             raise DatasetError(f"{flag} {spec}: directory has no {'/'.join(LOCAL_EXTENSIONS)} files")
-        return sorted(paths)
+        return paths
     if os.path.isfile(spec):
+        if not _supported(spec):  # reading e.g. a .gz or .bin as text would train on garbage
+            ext = os.path.splitext(spec)[1] or "(no extension)"
+            raise DatasetError(f"{flag} {spec}: unsupported file type {ext}; "
+                               f"rename or convert it to one of {' '.join(LOCAL_EXTENSIONS)}")
         return [spec]
     if any(ch in spec for ch in "*?["):
-        paths = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
-        if not paths:
+        found = [p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
+        if not found:
             raise DatasetError(f"{flag} {spec}: the glob matches no files")
+        paths = _skip_unsupported(found, flag, spec, log)
+        if not paths:
+            raise DatasetError(f"{flag} {spec}: the glob matches only unsupported files; "
+                               f"supported: {' '.join(LOCAL_EXTENSIONS)}")
         return paths
     if _looks_like_path(spec):
         raise DatasetError(f"{flag} {spec}: no such file or directory; check the path")
@@ -213,7 +280,7 @@ def resolve_source(
         return builtin_corpus()
     if dataset_id == BUILTIN_DATASET:
         return builtin_corpus()
-    paths = local_paths(dataset_id, flag)
+    paths = local_paths(dataset_id, flag, log)
     if paths is not None:
         return LocalFiles(dataset_id, paths, text_column)
     if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", dataset_id):
@@ -246,14 +313,25 @@ def pick_text_column(columns: list[str], wanted: str | None, where: str, sample:
 
 
 def read_file(path: str, text_column: str | None = None) -> Iterator[str]:
+    """The documents of one local file; any problem with the file is a DatasetError naming it."""
     ext = os.path.splitext(path)[1].lower()
     if ext in (".jsonl", ".json"):
-        return _read_json(path, text_column)
-    if ext == ".parquet":
-        return _read_parquet(path, text_column)
-    if ext == ".csv":
-        return _read_csv(path, text_column)
-    return _read_txt(path)
+        docs = _read_json(path, text_column)
+    elif ext == ".parquet":
+        docs = _read_parquet(path, text_column)
+    elif ext == ".csv":
+        docs = _read_csv(path, text_column)
+    else:
+        docs = _read_txt(path)
+    return _os_errors_named(path, _counting_replacements(path, docs))
+
+
+def _os_errors_named(path: str, docs: Iterator[str]) -> Iterator[str]:
+    # A file that vanishes or is unreadable mid-run: one line naming it, not a traceback.
+    try:
+        yield from docs
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read it ({e.strerror or type(e).__name__}); check the file and its permissions")
 
 
 def _file_contains(path: str, needle: bytes, chunk: int = 1 << 20) -> bool:
@@ -266,27 +344,86 @@ def _file_contains(path: str, needle: bytes, chunk: int = 1 << 20) -> bool:
     return False
 
 
+def _blank_tail(text: str, prev: int) -> int:
+    """Length of the end of the pending text that may start a blank-line separator.
+
+    That is a newline followed only by spaces/tabs/CRs up to the end; `text` is the newly appended
+    piece and `prev` the previous such length (0 when none).
+    """
+    j = text.rfind("\n")
+    if j < 0:  # no newline in the new piece: the old tail goes on only if the piece is all blank
+        return prev + len(text) if prev and not text.strip(" \t\r") else 0
+    return len(text) - j if not text[j + 1 :].strip(" \t\r") else 0
+
+
 def _read_txt(path: str, chunk_bytes: int = 1 << 20) -> Iterator[str]:
+    """Documents of a text file, split on `<|endoftext|>` if the file has one, else on blank lines.
+
+    Invalid UTF-8 is decoded with replacement characters (one U+FFFD per invalid sequence); the
+    number of replaced bytes is in REPLACED_BYTES[path] after a full read (see read_file).
+
+    Linear time, memory ~ one document + one chunk, even for a huge document without separators:
+    each chunk is scanned once, plus only the short end of the pending document that could begin
+    a separator (the last len(EOT)-1 characters, or a trailing newline + blanks, scanned as "\n").
+    The result equals splitting the whole file's text at once.
+    """
     separator = EOT_TEXT if _file_contains(path, EOT_TEXT.encode()) else None
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    rest = ""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors=_REPLACE)
+    pending: list[str] = []  # pieces of the document not yet ended by a separator
+    pending_len = 0
+    tail = 0  # length of the end of `pending` that may begin a separator (see _blank_tail)
+    eot_tail = ""  # with a separator: the last len(separator)-1 characters of `pending`, kept as text
+
+    def finish(doc: str) -> Iterator[str]:
+        doc = doc.strip("\r\n")
+        if doc and not doc.isspace():  # == doc.strip() != "", without copying a huge document
+            yield doc
+
     with open(path, "rb") as f:
         while True:
             block = f.read(chunk_bytes)
-            text = rest + decoder.decode(block, final=not block)
-            parts = text.split(separator) if separator else _BLANK_LINES.split(text)
-            if block:
-                rest = parts.pop()  # may continue in the next block
-            for doc in parts:
-                doc = doc.strip("\r\n")
-                if doc.strip():
-                    yield doc
+            text = decoder.decode(block, final=not block)
+            if separator:
+                prefix = eot_tail
+                parts = (prefix + text).split(separator)
+            else:
+                prefix = "\n" if tail else ""  # a newline + blanks scans the same as "\n" alone
+                parts = _BLANK_LINES.split(prefix + text)
+            if len(parts) == 1:
+                pending.append(text)
+                pending_len += len(text)
+                if separator:
+                    eot_tail = (eot_tail + text[-(len(separator) - 1) :])[-(len(separator) - 1) :]
+                    tail = len(eot_tail)
+                else:
+                    tail = _blank_tail(text, tail)
+            else:
+                head = parts[0]
+                if len(head) < len(prefix):  # the separator began inside the pending tail
+                    first = "".join(pending)[: pending_len - tail + len(head)]
+                else:
+                    first = "".join(pending) + head[len(prefix) :]
+                last = parts[-1]
+                pending, pending_len = [last], len(last)
+                if separator:
+                    eot_tail = last[-(len(separator) - 1) :]
+                    tail = len(eot_tail)
+                else:
+                    tail = _blank_tail(last, 0)
+                yield from finish(first)
+                del first
+                for doc in parts[1:-1]:
+                    yield from finish(doc)
             if not block:
+                yield from finish("".join(pending))
                 return
 
 
 def _texts(rows: Iterable, text_column: str | None, where: str) -> Iterator[str]:
-    """Non-blank strings of the text column of dict rows; the column is picked on the first row."""
+    """Non-blank strings of the text column of dict rows; the column is picked on the first row.
+
+    Rows whose text is missing, not a string, or blank are skipped (they are not documents).
+    """
     column = None
     for row in rows:
         if not isinstance(row, dict):
@@ -302,25 +439,28 @@ def _read_json(path: str, text_column: str | None) -> Iterator[str]:
     with open(path, "rb") as f:
         head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
     if head[:1] == b"[":  # a JSON array: cannot be streamed with the standard library
-        with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: drop a byte-order mark
+        with open(path, encoding="utf-8-sig", errors=_REPLACE) as f:  # -sig: drop a byte-order mark
             try:
                 rows = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}: invalid JSON ({e}); fix the file or convert it to JSON Lines")
+            except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, huge ints
+                msg = getattr(e, "msg", None) or type(e).__name__
+                raise DatasetError(f"{path}: invalid JSON ({msg}); fix the file or convert it to JSON Lines")
         yield from _texts(rows, text_column, path)
         return
     yield from _texts(_jsonl_rows(path), text_column, path)
 
 
 def _jsonl_rows(path: str) -> Iterator:
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
+    with open(path, encoding="utf-8-sig", errors=_REPLACE) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 yield json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: malformed JSON line ({e.msg}); fix or remove that line")
+            # ValueError covers JSONDecodeError and over-long integers; RecursionError deep nesting.
+            except (ValueError, RecursionError) as e:
+                msg = getattr(e, "msg", None) or type(e).__name__
+                raise DatasetError(f"{path}:{lineno}: malformed JSON line ({msg}); fix or remove that line")
 
 
 def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
@@ -329,11 +469,18 @@ def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:
-        raise DatasetError(f"{path}: not a readable Parquet file ({str(e)[:120]})")
+        raise DatasetError(f"{path}: not a readable Parquet file ({_first_line(e)})")
     names = pf.schema_arrow.names
     strings = [n for n in names if str(pf.schema_arrow.field(n).type) in ("string", "large_string")]
     column = pick_text_column(names, text_column, path, {n: "" for n in strings})
-    for batch in pf.iter_batches(columns=[column], batch_size=1024):
+    batches = pf.iter_batches(columns=[column], batch_size=1024)
+    while True:
+        try:  # a truncated or corrupt data page only shows when its batch is read
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise DatasetError(f"{path}: corrupt Parquet data ({_first_line(e)}); re-export the file")
         for text in batch.column(0).to_pylist():
             if isinstance(text, str) and text.strip():
                 yield text
@@ -341,8 +488,18 @@ def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
 
 def _read_csv(path: str, text_column: str | None) -> Iterator[str]:
     csv.field_size_limit(sys.maxsize)
-    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:  # a BOM would rename column 1
-        yield from _texts(csv.DictReader(f), text_column, path)
+    with open(path, encoding="utf-8-sig", errors=_REPLACE, newline="") as f:  # a BOM would rename column 1
+        reader = csv.DictReader(f)
+        try:
+            yield from _texts(reader, text_column, path)
+        except csv.Error as e:
+            raise DatasetError(f"{path}:{reader.line_num}: malformed CSV ({e}); fix or remove that line")
+
+
+def _first_line(e: BaseException, limit: int = 120) -> str:
+    """First line of an exception's message (its type when the message is empty), for a one-line error."""
+    lines = str(e).strip().splitlines()
+    return lines[0][:limit] if lines else type(e).__name__
 
 
 # ----------------------------------------------------------------------------------------------

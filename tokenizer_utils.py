@@ -26,8 +26,17 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise TokenizerError(f"--tokenizer {path}: no such file; pass a tokenizer.json or use --vocab-size N")
     try:
         tok = Tokenizer.from_file(path)
-    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-        raise TokenizerError(f"--tokenizer {path}: not a valid tokenizer.json ({str(e).splitlines()[0][:120]})")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    # tokenizers raises a bare Exception on bad JSON, and a Rust panic (a BaseException) on some
+    # hostile input; an error message may also be empty or span lines: keep it to one line.
+    except BaseException as e:
+        lines = str(e).strip().splitlines()
+        why = lines[0][:120] if lines else type(e).__name__
+        raise TokenizerError(
+            f"--tokenizer {path}: not a valid tokenizer.json ({why}); pass a tokenizer.json saved by "
+            f"`tokenizers` or use --vocab-size N to train one"
+        ) from None
     eot_id(tok, source=path)
     return tok
 
