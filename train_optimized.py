@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -538,9 +539,18 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
 
     metrics = MetricsLog(os.path.join(out, "metrics.jsonl"), append=bool(c.resume))
     ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=c.keep_checkpoints)
+    # Room for the checkpoints kept (+1 being written), each ~ the state plus the loader's buffer text.
+    ckpt_mb = state_bytes(state) / 2**20 + (c.shuffle_buffer_size * 1_000 / 2**20 if c.use_streaming else 0.0)
+    free_mb = shutil.disk_usage(out).free / 2**20
+    if free_mb < (c.keep_checkpoints + 1) * ckpt_mb:
+        raise ConfigError(f"--output-dir {out}: {free_mb:,.0f} MB free, but {c.keep_checkpoints + 1} checkpoints of "
+                          f"~{ckpt_mb:,.0f} MB need {(c.keep_checkpoints + 1) * ckpt_mb:,.0f} MB; free space, "
+                          f"choose another directory or lower --keep-checkpoints")
     resumed: dict = {}
     loader_state = None
     if c.resume:
+        for partial in sorted(p for p in os.listdir(os.path.join(out, "checkpoints")) if "tmp" in p):
+            log(f"[resume] warning: skipping incomplete checkpoint {partial} (interrupted save)")
         if ckpt.latest_step() is None:
             raise ConfigError(f"--resume {out}: no complete checkpoint in {out}/checkpoints (an interrupted save is skipped)")
         state, resumed, loader_state = ckpt.restore(state)  # restored with the live state's shardings

@@ -210,3 +210,20 @@ def test_kill_9_while_saving_every_step_leaves_a_resumable_run(tmp_path, data_di
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == steps[-1] + 2
+
+
+def test_output_dir_without_room_for_checkpoints_is_refused(tmp_path, data_dir, monkeypatch):
+    import collections
+    import shutil
+
+    import train_optimized
+    from train_optimized import Config, ConfigError, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(train_optimized.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**5, 10**5))
+    with pytest.raises(ConfigError, match="MB free, but 4 checkpoints of"):
+        train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                     seq_len=64, batch_size=8, eval_tokens=2048, max_steps=2, output_dir=str(tmp_path / "full")),
+              log=lambda *_: None)
+    assert shutil.disk_usage is not None
