@@ -40,20 +40,19 @@ def test_maps_are_sorted_256_codes_with_the_right_ends():
     assert (np.abs(M_MAP) >= 0.1).sum() == 2 * 64 + 1 and (V_MAP >= 0.1).sum() == 128 + 1
 
 
-def _values(n_blocks: int, rng) -> np.ndarray:
-    """Blocks mixing normal values, log-uniform magnitudes over 8 decades and exact zeros."""
+def _values(n_blocks: int, rng, qmap: np.ndarray) -> np.ndarray:
+    """Blocks mixing normal values, log-uniform magnitudes over 8 decades and exact zeros (>= 0 for an
+    unsigned map)."""
     x = rng.standard_normal(n_blocks * BLOCK).astype(np.float32)
     x[::3] = (rng.choice([-1, 1], x[::3].size) * 10.0 ** rng.uniform(-8, 0, x[::3].size)).astype(np.float32)
     x[::7] = 0.0
-    return x.reshape(n_blocks, BLOCK)
+    return (np.abs(x) if qmap.min() >= 0 else x).reshape(n_blocks, BLOCK)
 
 
 @pytest.mark.parametrize("name", list(MAPS))
 def test_quantize_rounds_each_element_to_its_nearest_code(name):
     qmap = MAPS[name]
-    x = _values(48, np.random.default_rng(1))
-    if qmap.min() >= 0:
-        x = np.abs(x)
+    x = _values(48, np.random.default_rng(1), qmap)
     q = quantize(jnp.asarray(x), qmap)
     absmax = np.abs(x).max(axis=1)
     np.testing.assert_array_equal(np.asarray(q.scales), absmax)
@@ -67,9 +66,7 @@ def test_quantize_rounds_each_element_to_its_nearest_code(name):
 def test_round_trip_error_bounds(name):
     """|x - dequant(quant(x))| <= half the widest code gap x block absmax; top-decade relative bound."""
     qmap = MAPS[name]
-    x = _values(64, np.random.default_rng(2))
-    if qmap.min() >= 0:
-        x = np.abs(x)
+    x = _values(64, np.random.default_rng(2), qmap)
     q = quantize(jnp.asarray(x), qmap)
     y = np.asarray(dequantize(q, qmap))
     absmax = np.abs(x).max(axis=1, keepdims=True)
