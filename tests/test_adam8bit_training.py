@@ -89,6 +89,7 @@ def _run(tmp_path, data_dir, name, seed, use_8bit):
     return train(c, log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_heldout_loss_matches_fp32_and_a_linear_map_does_not(tmp_path, data_dir, monkeypatch):
     """Issue 3's loss criterion, at CI size: |8-bit - fp32| <= max(1%, 2 x seed spread); linear maps fail it."""
     fp32 = [_run(tmp_path, data_dir, "fp32", s, False)["eval_loss"] for s in (0, 1)]

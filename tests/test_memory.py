@@ -100,6 +100,7 @@ def test_preflight_refuses_a_run_over_budget_before_training(tmp_path, data_dir)
     assert not any((out / "checkpoints").iterdir()) and not (out / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_auto_fit_keeps_the_effective_batch_and_fits_xla_figure(tmp_path, data_dir):
     shape = choose_shape(300_000, 512)
     need = estimate_memory_usage(0, 256, 64, target_params=300_000, vocab_size=512, devices=2)["host_rss_mb"]

@@ -69,6 +69,7 @@ def _interrupting_at(monkeypatch, steps: set[int]):
     monkeypatch.setattr(train_optimized, "stop_requested", fake)
 
 
+@pytest.mark.slow
 def test_interrupted_and_resumed_twice_equals_one_run(tmp_path, data_dir, monkeypatch):
     """40 steps in one go vs interrupted after 13 and 33 and resumed: same batches (digest), same losses.
 
@@ -123,6 +124,7 @@ def test_resume_refuses_a_different_model_or_dataset(tmp_path, data_dir, monkeyp
         train(Config(resume=str(tmp_path / "nothing")), log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits_0_then_resumes(tmp_path, data_dir):
     import os
     import signal
@@ -179,6 +181,7 @@ def test_checkpoint_minutes_and_keep_in_the_trainer(tmp_path, data_dir, monkeypa
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [4, 5]
 
 
+@pytest.mark.slow
 def test_kill_9_while_saving_every_step_leaves_a_resumable_run(tmp_path, data_dir):
     """SIGKILL at an arbitrary moment of a run that saves at every step (so very likely mid-save)."""
     import os
