@@ -16,9 +16,10 @@ import orbax.checkpoint as ocp
 class Checkpointer:
     """Keeps the newest `keep` checkpoints plus the one with the best eval loss; never the last one deleted."""
 
-    def __init__(self, directory: str, keep: int | None = 3):
+    def __init__(self, directory: str, keep: int | None = 3, log=print):
         self.directory = os.path.abspath(directory)
-        self.keep = keep
+        self.keep, self.log = keep, log
+        self.pending: int | None = None  # the last save, verified once it has been committed
         self.eval_loss: dict[int, float] = {}  # step -> eval loss of the params saved there
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True)
@@ -41,13 +42,36 @@ class Checkpointer:
         """State arrays, the run's counters (`meta`) and the data loader's stream position, in one checkpoint."""
         if eval_loss is not None:
             self.eval_loss[step] = eval_loss
+        self.verify_pending()
         self.manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
                                     loader=ocp.args.JsonSave(loader or {})),
             force=True,
         )
+        self.pending = step
         self._prune()
+
+    def verify(self, step: int) -> str | None:
+        """Reopen a committed checkpoint: listed, its record readable and for this step. None when sound."""
+        if step not in self.manager.all_steps(read=True):
+            return "not among the committed checkpoints"
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # any failure to read it back is the finding
+            return f"unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        return None if meta.get("step", step) == step else f"records step {meta.get('step')}"
+
+    def verify_pending(self) -> None:
+        """Wait for the last async save and verify it; loud (a log line per failure) but never fatal."""
+        if self.pending is None:
+            return
+        self.manager.wait_until_finished()
+        step, self.pending = self.pending, None
+        problem = self.verify(step)
+        if problem:
+            self.log(f"[checkpoint] VERIFY FAILED for step {step} in {self.directory}: {problem}; "
+                     f"the previous checkpoint is still there")
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -68,5 +92,5 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.verify_pending()
         self.manager.close()

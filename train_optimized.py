@@ -538,7 +538,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         f"{tokens_per_step:,} tokens/step; eval on {eval_set.name}: {int(eval_set.mask.sum()):,} tokens; out {out}")
 
     metrics = MetricsLog(os.path.join(out, "metrics.jsonl"), append=bool(c.resume))
-    ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=c.keep_checkpoints)
+    ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=c.keep_checkpoints, log=log)
     # Room for the checkpoints kept (+1 being written), each ~ the state plus the loader's buffer text.
     ckpt_mb = state_bytes(state) / 2**20 + (c.shuffle_buffer_size * 1_000 / 2**20 if c.use_streaming else 0.0)
     free_mb = shutil.disk_usage(out).free / 2**20
@@ -564,7 +564,8 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         else:
             log(line)
 
-    def evaluate(step: int, tokens: int) -> dict:
+    def evaluate(step: int, tokens: int) -> dict | None:
+        """Score the held-out set; None when a signal arrives meanwhile (the run saves and stops instead)."""
         nonlocal eval_seconds, interval_start
         t_eval = time.time()
         nats, count = 0.0, 0.0
@@ -575,6 +576,9 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
                 pad = B - len(x)
                 x, y = np.pad(x, ((0, pad), (0, 0))), np.pad(y, ((0, pad), (0, 0)))
                 m = np.pad(m, ((0, pad), (0, 0)))
+            if signals:
+                log(f"[run] eval at step {step} aborted by {signals[0]}")
+                return None
             s, n = eval_step(state.params, *jax.device_put((x, y, m), batch_sharded))
             nats, count = nats + float(s), count + float(n)
         loss = nats / count
@@ -713,7 +717,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
                 nonfinite_stop = done = True
                 break
             if step % c.eval_every == 0:
-                last_eval = evaluate(step, tokens)
+                last_eval = evaluate(step, tokens) or last_eval
             if save_due:
                 save(step, tokens, epoch)
             if c.max_steps and step >= c.max_steps:
@@ -739,8 +743,9 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
     if step == 0:
         raise DatasetError(f"{source.name}: no complete optimizer step was possible; use more data or a smaller batch")
     log(f"[run] stopped: {stop_reason}")
-    if last_eval is None or last_eval["step"] != step:
-        last_eval = evaluate(step, tokens)
+    if not signals and (last_eval is None or last_eval["step"] != step):  # a signal: save now, no eval
+        last_eval = evaluate(step, tokens) or last_eval
+    ev = last_eval or {"eval_loss": None, "eval_ppl": None, "eval_bpb": None}
     if ckpt.latest_step() != step and not nonfinite_stop:
         save(step, tokens, epoch)
     ckpt.close()
@@ -748,7 +753,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
     # This process's tokens; the first micro-step ran in the compile/start-up window.
     trained_tokens = tokens - resumed.get("tokens", 0) - tokens_per_step / c.gradient_accumulation_steps
     summary = {
-        "eval_loss": last_eval["eval_loss"], "eval_ppl": last_eval["eval_ppl"], "eval_bpb": last_eval["eval_bpb"],
+        "eval_loss": ev["eval_loss"], "eval_ppl": ev["eval_ppl"], "eval_bpb": ev["eval_bpb"],
         "params": n_params, "steps": step, "tokens": tokens, "epochs_started": epoch + 1,
         "wall_time_s": time.time() - start, "train_time_s": train_seconds, "compile_time_s": (compile_s or 0.0) + plan["compile_s"],
         "first_batch_time_s": first_batch_s,
@@ -763,8 +768,9 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
     }
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    log(f"[done] {step} steps, {tokens:,} tokens in {summary['wall_time_s']:.0f}s | eval loss {summary['eval_loss']:.4f} "
-        f"| bpb {summary['eval_bpb']:.4f} | {summary['tokens_per_sec']:,.0f} tok/s | mfu {summary['mfu']:.1%} "
+    scored = f"eval loss {ev['eval_loss']:.4f} | bpb {ev['eval_bpb']:.4f}" if last_eval else "no eval (stopped by a signal)"
+    log(f"[done] {step} steps, {tokens:,} tokens in {summary['wall_time_s']:.0f}s | {scored} "
+        f"| {summary['tokens_per_sec']:,.0f} tok/s | mfu {summary['mfu']:.1%} "
         f"| peak rss {summary['peak_rss_mb']:,.0f} MB | {out}")
     return summary
 

@@ -230,3 +230,44 @@ def test_output_dir_without_room_for_checkpoints_is_refused(tmp_path, data_dir, 
                      seq_len=64, batch_size=8, eval_tokens=2048, max_steps=2, output_dir=str(tmp_path / "full")),
               log=lambda *_: None)
     assert shutil.disk_usage is not None
+
+
+def test_a_signal_aborts_the_eval_and_saves_at_once(tmp_path, data_dir, monkeypatch):
+    """SIGTERM arrives as step 1 starts; step 1's eval (--eval-every 1) is aborted, the checkpoint saved."""
+    import os
+    import signal
+
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    logs = []
+
+    def log(line):
+        logs.append(line)
+        if line.startswith("[run] first step"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    out = tmp_path / "run"
+    s = train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                     seq_len=64, batch_size=8, eval_tokens=2048, eval_every=1, max_steps=50, output_dir=str(out)), log=log)
+    assert s["stop_reason"].startswith("SIGTERM") and s["steps"] == 1 and s["eval_loss"] is None
+    assert any("eval at step 1 aborted by SIGTERM" in line for line in logs)
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()] == ["1"]
+    assert signal.getsignal(signal.SIGTERM) is not None  # the handler was restored after the run
+
+
+def test_each_save_is_verified_and_a_broken_one_is_loud(tmp_path):
+    import jax.numpy as jnp
+
+    from checkpointing import Checkpointer
+
+    logs = []
+    ck = Checkpointer(str(tmp_path / "ckpt"), keep=3, log=logs.append)
+    ck.save(1, {"w": jnp.ones(4)}, {"step": 1})
+    ck.save(2, {"w": jnp.ones(4)}, {"step": 2})  # verifies step 1 first
+    ck.close()  # verifies step 2
+    assert logs == [] and ck.verify(1) is None and ck.verify(2) is None
+    ck = Checkpointer(str(tmp_path / "ckpt"), keep=3, log=logs.append)
+    ck.save(3, {"w": jnp.ones(4)}, {"step": 99})  # a record that does not match its step
+    ck.close()
+    assert len(logs) == 1 and "VERIFY FAILED for step 3" in logs[0] and "records step 99" in logs[0]
