@@ -94,3 +94,40 @@ class Checkpointer:
     def close(self) -> None:
         self.verify_pending()
         self.manager.close()
+
+
+def load_run(run_dir: str, step: int | None = None) -> dict:
+    """A finished or running run's newest (or given) checkpoint, for sampling and export.
+
+    Returns {"config": config.json, "shape": ModelShape, "params": float32 param pytree, "tokenizer":
+    tokenizers.Tokenizer, "step": int}. Raises FileNotFoundError naming what is missing.
+    """
+    import json
+
+    from model import Transformer, init_params
+    from model_sizing import ModelShape
+    from tokenizer_utils import load_tokenizer
+    from train_step import init_state, make_optimizer
+
+    for name in ("config.json", "tokenizer.json", "checkpoints"):
+        if not os.path.exists(os.path.join(run_dir, name)):
+            raise FileNotFoundError(f"{run_dir}: no {name}; pass a run's output dir (the one with config.json)")
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)
+    shape = ModelShape(**config["model"])
+    model = Transformer(shape)
+    tx = make_optimizer(config["weight_decay"], config["grad_clip"], config["gradient_accumulation_steps"],
+                        use_8bit=config.get("use_8bit_optimizer", False))
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # whatever mesh saved it
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
+                            jax.eval_shape(lambda: init_state(init_params(model, 0, 8), tx)))
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=None)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{run_dir}/checkpoints: no complete checkpoint yet")
+        state, meta, _ = ckpt.restore(abstract, step)
+    finally:
+        ckpt.manager.close()
+    return {"config": config, "shape": shape, "params": state.params,
+            "tokenizer": load_tokenizer(os.path.join(run_dir, "tokenizer.json")), "step": int(meta["step"])}
