@@ -1,4 +1,15 @@
-"""Device setup: one host device per CPU core, and a 1-D data-parallel mesh over the devices.
+"""Device setup: processes (jax.distributed), one host device per CPU core, the 1-D 'data' mesh and the
+state's sharding on it (data-parallel replicas or FSDP shards).
+
+Sharding (`--sharding`): the batch is always split over the mesh's one axis, 'data'. With "dp" every
+device holds the whole train state (params, optimizer state, accumulators) and the gradients are
+all-reduced; with "fsdp" each state leaf is split over the same axis along its largest dimension that
+the device count divides (leaves too small or indivisible stay replicated), and XLA all-gathers a
+layer's weights where it needs them and reduce-scatters the gradients. Both compute the same step.
+
+Processes: with `jax.distributed` every process runs this same program on its own devices; each reads
+its own part of the data and contributes its rows of the global batch
+(`jax.make_array_from_process_local_data`). On CPU the processes talk through gloo.
 
 Why several CPU devices: XLA runs a CPU program one kernel at a time, each kernel split over all
 cores, and the small kernels of a small transformer split badly (2 cores give ~1.5x one core). Two
@@ -38,16 +49,141 @@ def configure_cpu_devices(n: int | None = None) -> int:
     return n
 
 
-def data_mesh(batch_size: int, max_devices: int | None = None):
-    """A 1-D mesh named 'data' over the most devices that divide `batch_size` evenly."""
+class ShardingError(ValueError):
+    """A batch or process layout that cannot work; the message names the flag and the fix."""
+
+
+def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None) -> tuple[int, int]:
+    """Start jax.distributed when asked (any argument given, or a cluster JAX detects); (process, count).
+
+    Call before anything touches jax's backend. On CPU the processes' collectives go through gloo.
+    """
+    import jax
+
+    asked = any(v is not None for v in (coordinator_address, num_processes, process_id))
+    if not asked and not cluster_detected():
+        return 0, 1
+    if jax.distributed.is_initialized():
+        return jax.process_index(), jax.process_count()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    except Exception as e:  # noqa: BLE001 - bad addresses, timeouts: a user error, not a traceback
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ShardingError(f"--coordinator-address {coordinator_address}: jax.distributed could not start "
+                            f"({first}); check the address, --num-processes and --process-id") from None
+    return jax.process_index(), jax.process_count()
+
+
+def cluster_detected() -> bool:
+    """Environments where jax.distributed.initialize() finds its own settings (SLURM, Open MPI, JAX_* vars)."""
+    env = os.environ
+    return bool(env.get("JAX_COORDINATOR_ADDRESS")) or (
+        int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in env) or int(
+        env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1
+
+
+def data_mesh(batch_size: int, max_devices: int | None = None, strict: bool = False):
+    """A 1-D mesh named 'data' over the devices, splitting `batch_size` (the global batch) evenly.
+
+    `strict` (several processes, an accelerator, or a device count the user chose): every device, and
+    a batch that does not divide is a ShardingError. Otherwise (host CPU devices the trainer made up
+    for speed) the most devices that divide the batch.
+    """
     import jax
     from jax.sharding import AxisType
 
     devices = jax.devices()
     k = min(len(devices), max_devices or len(devices))
+    if strict and batch_size % k:
+        raise ShardingError(f"--batch-size {batch_size} does not split evenly over {k} devices"
+                            f"{f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''}; "
+                            f"use a multiple of {k}")
     while batch_size % k:
         k -= 1
     return jax.make_mesh((k,), ("data",), axis_types=(AxisType.Auto,), devices=devices[:k])
+
+
+def state_shardings(abstract_state, mesh, mode: str = "dp"):
+    """A NamedSharding per state leaf: replicated ("dp"), or split over 'data' along the largest
+    dimension the device count divides ("fsdp"; scalars and indivisible leaves stay replicated)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    n = mesh.shape["data"]
+    replicated = NamedSharding(mesh, PartitionSpec())
+    if mode == "dp" or n == 1:
+        return jax.tree.map(lambda _: replicated, abstract_state)
+
+    def split(x) -> NamedSharding:
+        dims = sorted(range(x.ndim), key=lambda d: -x.shape[d])
+        for d in dims:
+            if x.shape[d] % n == 0 and x.shape[d] >= n:
+                return NamedSharding(mesh, PartitionSpec(*([None] * d), "data"))
+        return replicated
+
+    return jax.tree.map(split, abstract_state)
+
+
+def device_bytes(tree) -> int:
+    """Bytes of a pytree of jax.Arrays held by one device (the first): what sharding saves."""
+    import jax
+
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.addressable_shards[0]
+        total += shard.data.size * shard.data.dtype.itemsize
+    return total
+
+
+def global_batch(local: dict, sharding) -> dict:
+    """This process's rows -> global arrays split over the mesh (one process: a plain device_put)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.device_put(local, sharding)
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def replicated_batch(x, sharding):
+    """An array every process holds whole (eval batches) -> a global array split over the mesh."""
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def gather_json(obj) -> list:
+    """Every process's JSON-able `obj`, in process order (one process: [obj])."""
+    import json
+
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(bytes(row[:size]).decode()) for row, size in zip(rows, sizes)]
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on any (stop requests, end of data)."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.array([flag], np.int32))).any())
 
 
 def shardings(mesh):

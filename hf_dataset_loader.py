@@ -102,7 +102,9 @@ def _counting_replacements(path: str, items: Iterator) -> Iterator:
 class TextSource:
     name: str
 
-    def documents(self, shuffle_seed: int | None = None, skip_head: int = 0) -> Iterator[str]:
+    def documents(self, shuffle_seed: int | None = None, skip_head: int = 0,
+                  shard: tuple[int, int] | None = None) -> Iterator[str]:
+        """One pass; `shard=(index, count)`: only this process's disjoint part (every count-th document)."""
         raise NotImplementedError
 
     def validation(self) -> TextSource | None:
@@ -120,8 +122,9 @@ class ListSource(TextSource):
 
     docs: Sequence[str] = ()
 
-    def documents(self, shuffle_seed: int | None = None, skip_head: int = 0) -> Iterator[str]:
-        return iter(self.docs[skip_head:])
+    def documents(self, shuffle_seed: int | None = None, skip_head: int = 0,
+                  shard: tuple[int, int] | None = None) -> Iterator[str]:
+        return shard_of(iter(self.docs[skip_head:]), shard)
 
     @property
     def size_bytes(self) -> int:
@@ -133,7 +136,11 @@ class LocalFiles(TextSource):
     paths: list[str] = field(default_factory=list)
     text_column: str | None = None
 
-    def documents(self, shuffle_seed: int | None = None, skip_head: int = 0) -> Iterator[str]:
+    def documents(self, shuffle_seed: int | None = None, skip_head: int = 0,
+                  shard: tuple[int, int] | None = None) -> Iterator[str]:
+        return shard_of(self._documents(shuffle_seed, skip_head), shard)
+
+    def _documents(self, shuffle_seed: int | None, skip_head: int) -> Iterator[str]:
         skip = self._head_per_file(skip_head)
         paths = list(self.paths)
         if shuffle_seed is not None and len(paths) > 1:
@@ -172,12 +179,23 @@ class HubDataset(TextSource):
             msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise DatasetError(f"--dataset-id {self.name} (split {split}): could not load it from the hub: {msg}")
 
-    def documents(self, shuffle_seed: int | None = None, skip_head: int = 0) -> Iterator[str]:
+    def documents(self, shuffle_seed: int | None = None, skip_head: int = 0,
+                  shard: tuple[int, int] | None = None) -> Iterator[str]:
         ds = self._load(self.split)
         if shuffle_seed is not None and self.streaming and not skip_head:
             # Shard order only (our buffer shuffles documents). Not with a held-out head: reordering
             # shards would move held-out documents into training.
             ds = ds.shuffle(seed=shuffle_seed, buffer_size=1)
+        if shard is not None and shard[1] > 1:
+            from datasets.distributed import split_dataset_by_node
+
+            if skip_head:  # the held-out head is the head of the whole stream, before the split
+                ds, skip_head = ds.skip(skip_head), 0
+            shards = getattr(ds, "num_shards", None) or getattr(ds, "n_shards", None)
+            if self.streaming and shards is not None and shards % shard[1] and shard[0] == 0:
+                print(f"[data] warning: {self.name} has {shards} file shards for {shard[1]} processes; each "
+                      f"process reads every shard and keeps 1 document in {shard[1]}", file=sys.stderr)
+            ds = split_dataset_by_node(ds, rank=shard[0], world_size=shard[1])
         yield from itertools.islice(_texts(ds, self.text_column, f"--dataset-id {self.name}"), skip_head, None)
 
     def validation(self) -> TextSource | None:
@@ -534,6 +552,13 @@ def builtin_corpus(max_bytes: int = 2_200_000) -> ListSource:
 
 # ----------------------------------------------------------------------------------------------
 # Tokenize and pack (shared by the streaming loader and the full-load path)
+
+
+def shard_of(docs: Iterator[str], shard: tuple[int, int] | None) -> Iterator[str]:
+    """Documents index, index + count, ...: process `index` of `count` reads a disjoint 1/count of the stream."""
+    if shard is None or shard[1] == 1:
+        return docs
+    return itertools.islice(docs, shard[0], None, shard[1])
 
 
 def encode_documents(tokenizer, docs: Sequence[str], eot: int) -> np.ndarray:

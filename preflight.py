@@ -33,21 +33,24 @@ def compile_plan(c, shape, data_mb: float, budget_bytes: int | None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from devices import data_mesh, shardings
+    from devices import data_mesh, shardings, state_shardings
     from model import Transformer, init_params
     from train_step import init_state, make_optimizer, make_train_step
 
-    mesh = data_mesh(c.batch_size)
-    replicated, batch_sharded = shardings(mesh)
+    # The trainer makes up one host device per core for speed; any other device count is the user's.
+    strict = jax.process_count() > 1 or jax.devices()[0].platform != "cpu" or bool(getattr(c, "cpu_devices", None))
+    mesh = data_mesh(c.batch_size, strict=strict)
+    _, batch_sharded = shardings(mesh)
     n_dev, platform = int(mesh.devices.size), mesh.devices.flat[0].platform
     model = Transformer(shape, dtype=jnp.bfloat16 if c.use_mixed_precision else jnp.float32, remat=c.gradient_checkpointing)
     tx = make_optimizer(c.weight_decay, c.grad_clip, c.gradient_accumulation_steps, use_8bit=c.use_8bit_optimizer)
     state = jax.eval_shape(lambda: init_state(init_params(model, c.seed, c.seq_len), tx))
-    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state)
+    state_sharding = state_shardings(state, mesh, getattr(c, "sharding", "dp"))
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sharding)
     batch = {k: jax.ShapeDtypeStruct((c.batch_size, c.seq_len), jnp.int32, sharding=batch_sharded)
              for k in ("input_ids", "targets")}
     t0 = time.time()
-    compiled = make_train_step(model, tx).lower(state, batch, np.float32(0)).compile()
+    compiled = make_train_step(model, tx, state_sharding, batch_sharded).lower(state, batch, np.float32(0)).compile()
     compile_s = time.time() - t0
     m = compiled.memory_analysis()
     compiled_mb = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes) / MB
@@ -76,7 +79,7 @@ def compile_plan(c, shape, data_mb: float, budget_bytes: int | None) -> dict:
                    f"(compiled step {compiled_mb:,.0f} MB/device x {n_dev}); add --auto-fit, or try "
                    f"--use-8bit-optimizer / a smaller --batch-size with more --gradient-accumulation-steps")
     est["data_pipeline_mb"] = round(data_mb, 3)
-    return {"mesh": mesh, "compiled": compiled, "model": model, "tx": tx, "compile_s": compile_s, "estimate": est, "platform": platform,
+    return {"mesh": mesh, "compiled": compiled, "state_sharding": state_sharding, "model": model, "tx": tx, "compile_s": compile_s, "estimate": est, "platform": platform,
             "devices": n_dev, "compiled_device_mb": compiled_mb, "estimated_device_mb": est["device_total_mb"],
             "estimated_peak_rss_mb": rss_mb, "predicted_peak_mb": predicted, "limit_mb": limit,
             "what": what, "refusal": refusal}

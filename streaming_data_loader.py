@@ -49,6 +49,7 @@ class StreamingDataLoader:
         skip_documents: int = 0,
         prefetch: int = 2,
         chunk_chars: int = 256_000,
+        shard: tuple[int, int] | None = None,
     ):
         if tokenizer is None:
             raise ValueError("StreamingDataLoader needs a tokenizer (a tokenizers.Tokenizer or a tokenizer.json path)")
@@ -75,6 +76,9 @@ class StreamingDataLoader:
         self.shuffle_buffer_size, self.seed = shuffle_buffer_size, seed
         self.max_examples, self.skip_documents = max_examples, skip_documents
         self.prefetch, self.chunk_chars = prefetch, chunk_chars
+        if shard is not None and not (shard[1] >= 1 and 0 <= shard[0] < shard[1]):
+            raise DatasetError(f"shard {shard}: must be (index, count) with 0 <= index < count")
+        self.shard = shard  # (process, processes): read only every count-th document, from the index-th
         self.epoch = 0
         self.state: dict | None = None  # after each batch: where the stream is (see iter_epoch)
         # Counters for the current epoch (read by the trainer and the memory-bound test).
@@ -123,7 +127,8 @@ class StreamingDataLoader:
     def _documents(self, epoch: int) -> Iterator[str]:
         shuffle = self.shuffle_buffer_size > 1
         seed = (self.seed * 1_000_003 + epoch) if shuffle else None
-        docs = self.source.documents(shuffle_seed=seed, skip_head=self.skip_documents)
+        sharded = {"shard": self.shard} if self.shard else {}  # sources of your own need not know shards
+        docs = self.source.documents(shuffle_seed=seed, skip_head=self.skip_documents, **sharded)
         yield from itertools.islice(docs, self.max_examples)
 
     def _batches(self, epoch: int) -> Iterator[tuple[Batch, dict]]:

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from config_file import ConfigFileError, parse_args_with_config
+from devices import ShardingError
 from hf_dataset_loader import (
     DatasetError,
     HubDataset,
@@ -54,13 +56,14 @@ from memory_monitor import MemoryMonitor, jax_device_bytes, parse_size, stop_req
 from preflight import available_host_mb, compile_plan, describe_plan
 from streaming_data_loader import StreamingDataLoader, estimate_memory_usage
 from tokenizer_utils import TokenizerError, eot_id, load_tokenizer, token_byte_lengths, train_bpe
+from tracking import Trackers, TrackingError, plot_loss, require_wandb
 
 
 class ConfigError(ValueError):
     """A bad flag value; the message names the flag and the fix."""
 
 
-USER_ERRORS = (ConfigError, DatasetError, TokenizerError, SizingError)
+USER_ERRORS = (ConfigError, DatasetError, TokenizerError, SizingError, ShardingError, TrackingError)
 
 
 @dataclass
@@ -109,12 +112,19 @@ class Config:
     skip_nonfinite: int = field(default=0, metadata={"help": "Skip up to N steps whose loss or gradient is NaN/Inf (each logged) before stopping the run"})
     output_dir: str | None = field(default=None, metadata={"help": "Where outputs go (default: a new folder under runs/)"})
     cpu_devices: int | None = field(default=None, metadata={"help": "CPU only: host devices to split each batch over (default: one per core, at most 8; see devices.py)"})
+    sharding: str = field(default="dp", metadata={"help": "dp: each device holds the whole train state (batch split over the devices); fsdp: params and optimizer state split over them too (less memory per device, same steps)"})
+    coordinator_address: str | None = field(default=None, metadata={"unset": "off", "help": "Several processes (jax.distributed): host:port of process 0, with --num-processes and --process-id (clusters JAX detects, e.g. SLURM, need none of them)"})
+    num_processes: int | None = field(default=None, metadata={"unset": "off", "help": "Several processes: how many; each reads its own part of the data and --batch-size is split over all devices"})
+    process_id: int | None = field(default=None, metadata={"unset": "off", "help": "Several processes: this one's index, 0 to --num-processes - 1 (process 0 writes logs, samples and summary)"})
     # memory
     memory_budget: str | None = field(default=None, metadata={"unset": "off", "help": "Refuse to start (exit 2) if the predicted peak exceeds this, e.g. 8GB: host RSS on CPU, device memory on an accelerator"})
     auto_fit: bool = field(default=False, metadata={"help": "With --memory-budget: pick micro-batch, accumulation, 8-bit state, mixed precision and remat to fit, keeping the effective batch"})
     preset: str | None = field(default=None, metadata={"unset": "off", "help": "limited-ram, medium-ram, high-ram, tpu or auto: the guide's settings for that hardware; explicit flags win"})
     resume: str | None = field(default=None, metadata={"unset": "off", "nargs": "?", "const": "latest", "help": "Continue a run exactly (model, optimizer, schedule, data stream) from its newest checkpoint: --resume with --output-dir, or --resume RUN_DIR"})
     memory_alert_mb: float | None = field(default=None, metadata={"unset": "off", "help": "Print a warning each time host RSS crosses this many MB"})
+    # tracking (TensorBoard event files and loss.png are always written to the output dir)
+    wandb: bool = field(default=False, metadata={"help": "Also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works)"})
+    wandb_project: str | None = field(default=None, metadata={"unset": "slm-trainer", "help": "W&B project"})
 
 
 # The guide's recommended settings per hardware (seed 003): RAM tiers by total host memory, and TPU.
@@ -184,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(c: Config) -> None:
     positive = ["checkpoint_minutes", "keep_checkpoints", "memory_alert_mb", "batch_size", "gradient_accumulation_steps", "target_params", "epochs", "eval_every", "eval_tokens",
                 "log_every", "checkpoint_every", "max_steps", "max_time", "learning_rate", "vocab_size",
-                "n_layers", "d_model", "n_heads", "max_examples", "cpu_devices"]
+                "n_layers", "d_model", "n_heads", "max_examples", "cpu_devices", "num_processes"]
     for name in positive:
         v = getattr(c, name)
         if v is not None and not v > 0:
@@ -196,6 +206,11 @@ def validate(c: Config) -> None:
     for name in ("warmup_steps", "weight_decay", "grad_clip", "shuffle_buffer_size", "skip_nonfinite"):
         if getattr(c, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(c, name)}: must be >= 0")
+    if c.sharding not in ("dp", "fsdp"):
+        raise ConfigError(f"--sharding {c.sharding}: choose dp (replicated state) or fsdp (state split over devices)")
+    if c.process_id is not None and not 0 <= c.process_id < (c.num_processes or 1):
+        raise ConfigError(f"--process-id {c.process_id}: must be between 0 and --num-processes - 1 "
+                          f"({(c.num_processes or 1) - 1})")
     if c.memory_budget is not None:
         try:
             parse_size(c.memory_budget)
@@ -216,6 +231,10 @@ RESUME_IDENTITY = ("dataset_id", "dataset_config", "split", "text_column", "eval
                    "stride", "batch_size", "gradient_accumulation_steps", "learning_rate", "warmup_steps",
                    "weight_decay", "grad_clip", "use_mixed_precision", "gradient_checkpointing", "use_8bit_optimizer",
                    "epochs", "seed")
+
+
+# Per-launch settings: a resumed or reproduced run takes them from its own command line only.
+LAUNCH_ONLY = ("coordinator_address", "num_processes", "process_id")
 
 
 def resume_config(c: Config, explicit: set[str] | None = None) -> Config:
@@ -254,6 +273,8 @@ def resume_config(c: Config, explicit: set[str] | None = None) -> Config:
             and k in explicit}  # what this command changes; the rest as the run had it
     resumed = Config(**{**{k: saved[k] for k in fields if k in saved}, **keep})
     resumed.output_dir, resumed.resume = run, c.resume
+    for k in LAUNCH_ONLY:  # how this process was started, never inherited from the saved run
+        setattr(resumed, k, getattr(c, k))
     resumed.tokenizer = os.path.join(run, "tokenizer.json")
     resumed.vocab_size = None  # it comes with the tokenizer
     resumed.preset, resumed.auto_fit = None, False  # their choices are in the saved settings already
@@ -366,6 +387,8 @@ def train(config: Config, start_time: float | None = None, log=print, explicit: 
     c = dataclasses.replace(config)
     start = time.time() if start_time is None else start_time
     validate(c)
+    if c.wandb:
+        require_wandb()
     if c.resume:
         c = resume_config(c, explicit)
     if c.preset and not c.resume:
@@ -376,7 +399,22 @@ def train(config: Config, start_time: float | None = None, log=print, explicit: 
         changed = apply_preset(c, explicit)
         log(f"[preset] {c.preset}: {', '.join(changed) or 'nothing to change (explicit flags win)'}")
         validate(c)
-    out = prepare_output_dir(c)
+    pid, nproc = start_processes(c)
+    if nproc == 1:
+        out = prepare_output_dir(c)
+    else:  # process 0 makes (or checks) the output dir; every process learns its name, or the error
+        from devices import gather_json
+
+        try:
+            made = {"out": prepare_output_dir(c)} if pid == 0 else {}
+        except ConfigError as e:
+            made = {"error": str(e)}
+        made = gather_json(made)[0]
+        if "error" in made:
+            raise ConfigError(made["error"])
+        out = made["out"]
+        if pid != 0:
+            log = _silent  # one process speaks for all
     os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
     monitor = MemoryMonitor(alert_mb=c.memory_alert_mb, on_alert=log).start()  # RSS from here on
     signals: list[str] = []  # SIGTERM/SIGINT seen: finish the step, save, summarise, return
@@ -391,14 +429,35 @@ def train(config: Config, start_time: float | None = None, log=print, explicit: 
     if threading.current_thread() is threading.main_thread():  # handlers can only be set there
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _train(c, start, out, monitor, log, signals)
+        return _train(c, start, out, monitor, log, signals, pid, nproc)
     finally:
         monitor.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signals: list[str]) -> dict:
+def _silent(*args, **kwargs) -> None:
+    pass
+
+
+def start_processes(c: Config) -> tuple[int, int]:
+    """(this process, processes): jax.distributed when asked by flags or a cluster; (0, 1) otherwise, without importing jax."""
+    from devices import cluster_detected
+
+    if c.coordinator_address is None and c.num_processes is None and c.process_id is None and not cluster_detected():
+        return 0, 1
+    from devices import ShardingError, configure_cpu_devices, init_distributed
+
+    configure_cpu_devices(c.cpu_devices)
+    try:
+        return init_distributed(c.coordinator_address, c.num_processes, c.process_id)
+    except ShardingError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signals: list[str],
+           pid: int = 0, nproc: int = 1) -> dict:
+    primary = pid == 0  # writes config, metrics, samples and summary; every process saves checkpoints
 
     # Tokenizer before model (the seeds' lesson): data setup needs no jax.
     source = resolve_source(c.dataset_id, dataset_config=c.dataset_config, split=c.split,
@@ -419,8 +478,17 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         if not rest:
             raise DatasetError(f"{source.name}: holding out --eval-tokens {c.eval_tokens} leaves nothing to train on; "
                                f"pass --eval-dataset-id, a smaller --eval-tokens, or more documents")
-    tokenizer, tok_seconds = build_tokenizer(c, source, skip_docs, log)
-    tokenizer.save(os.path.join(out, "tokenizer.json"))
+    if primary:
+        tokenizer, tok_seconds = build_tokenizer(c, source, skip_docs, log)
+        tokenizer.save(os.path.join(out, "tokenizer.json"))
+    if nproc > 1:  # process 0's tokenizer, sent to all (no shared filesystem needed)
+        from tokenizers import Tokenizer
+
+        from devices import gather_json
+
+        shared = gather_json(tokenizer.to_str() if primary else None)[0]
+        if not primary:
+            tokenizer, tok_seconds = Tokenizer.from_str(shared), 0.0
     vocab = tokenizer.get_vocab_size()
     shape = choose_shape(c.target_params, vocab, c.n_layers, c.d_model, c.n_heads)
     n_params = count_params(shape)
@@ -438,7 +506,8 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         data_mb = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size)["streaming_mb"]
     else:
         inputs, targets = prepare_sequences(source, tokenizer, c.seq_len, c.stride, c.max_examples, skip_docs)
-        if len(inputs) < c.batch_size:
+        inputs, targets = inputs[pid::nproc], targets[pid::nproc]  # this process's rows
+        if len(inputs) < c.batch_size // nproc:
             raise DatasetError(f"{source.name}: {len(inputs)} sequences, fewer than --batch-size {c.batch_size}")
         data_mb = (inputs.nbytes + targets.nbytes) / 2**20
         log(f"[data] full load: {inputs.shape[0]:,} sequences, {data_mb:.1f} MB in memory")
@@ -447,7 +516,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
     import jax
     import jax.numpy as jnp
 
-    from devices import configure_cpu_devices, data_mesh, needs_step_sync, shardings
+    from devices import any_process, configure_cpu_devices, device_bytes, gather_json, global_batch, needs_step_sync, replicated_batch, shardings
 
     configure_cpu_devices(c.cpu_devices)
     from adam8bit import state_bytes
@@ -492,25 +561,34 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
     for line in describe_plan(plan):
         log(line)
     mesh, train_step, model, tx = plan.pop("mesh"), plan.pop("compiled"), plan.pop("model"), plan.pop("tx")
+    state_sharding = plan.pop("state_sharding")
+    n_dev = int(mesh.devices.size)
+    if c.batch_size % nproc:
+        raise ConfigError(f"--batch-size {c.batch_size} does not split evenly over {nproc} processes; use a multiple of {nproc}")
+    local_batch = c.batch_size // nproc
     monitor.device_bytes = jax_device_bytes(mesh.devices.flat[0])
-    replicated, batch_sharded = shardings(mesh)
+    _, batch_sharded = shardings(mesh)
     sync_each_step = needs_step_sync(mesh)
     device = mesh.devices.flat[0]
     peak_flops, peak_source = device_peak_flops(device)
     if device.platform != "cpu":  # accelerators: the table's peak is per device
         peak_flops *= mesh.devices.size
-    state = jax.device_put(init_state(init_params(model, c.seed, c.seq_len), tx), replicated)
+    else:  # the measured peak is the host's (all its cores); one process per host
+        peak_flops *= nproc
+    # Built in place with its final layout: under FSDP no device ever holds the whole state.
+    state = jax.jit(lambda: init_state(init_params(model, c.seed, c.seq_len), tx), out_shardings=state_sharding)()
     eval_step, sampler = make_eval_step(model), make_sampler(model, c.seq_len)
     assert sum(x.size for x in jax.tree.leaves(state.params)) == n_params
     opt_bytes = state_bytes(state.opt_state)  # == model_sizing.optimizer_state_bytes (tested)
 
     if c.use_streaming:  # built now: --auto-fit may have changed the micro-batch
-        loader = StreamingDataLoader(source, tokenizer, seq_len=c.seq_len, batch_size=c.batch_size,
+        loader = StreamingDataLoader(source, tokenizer, seq_len=c.seq_len, batch_size=local_batch,
                                      shuffle_buffer_size=c.shuffle_buffer_size, seed=c.seed, stride=c.stride,
-                                     max_examples=c.max_examples, skip_documents=skip_docs)
+                                     max_examples=c.max_examples, skip_documents=skip_docs,
+                                     shard=(pid, nproc) if nproc > 1 else None)
         epoch_batches = loader.iter_epoch
     else:
-        epoch_batches = lambda e: full_load_batches(inputs, targets, c.batch_size, c.seed, e)  # noqa: E731
+        epoch_batches = lambda e: full_load_batches(inputs, targets, local_batch, c.seed, e)  # noqa: E731
     fpt = flops_per_token(shape, c.seq_len)
     warmup = min(c.warmup_steps, c.max_steps // 5) if c.max_steps else c.warmup_steps
     tokens_per_step = c.batch_size * c.seq_len * c.gradient_accumulation_steps
@@ -525,19 +603,22 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
                 "vocab_size": vocab, "stride": c.stride or c.seq_len, "warmup_steps": warmup,
                 "model": shape.to_dict(), "params": n_params, "model_flops_per_token": fpt,
                 "optimizer_state_bytes": opt_bytes, "memory_plan": _plan_record(plan),
-                "held_out_documents": skip_docs, "device": str(device), "devices": int(mesh.devices.size),
+                "held_out_documents": skip_docs, "device": str(device), "devices": n_dev, "processes": nproc,
                 "jax_version": jax.__version__}
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(resolved, f, indent=2)
+    if primary:
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(resolved, f, indent=2)
     log(f"[model] {describe(shape, c.seq_len)}")
     log(f"[optimizer] AdamW, {'8-bit block-quantized' if c.use_8bit_optimizer else 'float32'} moments"
         f"{', MultiSteps x' + str(c.gradient_accumulation_steps) if c.gradient_accumulation_steps > 1 else ''}: "
         f"state {opt_bytes / 2**20:,.2f} MB ({opt_bytes / n_params:.2f} bytes/param)")
-    log(f"[run] {mesh.devices.size} {device.platform} device(s), data-parallel over the batch; "
+    log(f"[run] {n_dev} {device.platform} device(s){f' in {nproc} processes' if nproc > 1 else ''}, batch split over "
+        f"them, state {'split (fsdp)' if c.sharding == 'fsdp' and n_dev > 1 else 'replicated (dp)'}: "
+        f"{device_bytes(state) / 2**20:,.1f} MB/device; "
         f"peak {peak_flops / 1e9:,.0f} GFLOP/s ({peak_source}); "
         f"{tokens_per_step:,} tokens/step; eval on {eval_set.name}: {int(eval_set.mask.sum()):,} tokens; out {out}")
 
-    metrics = MetricsLog(os.path.join(out, "metrics.jsonl"), append=bool(c.resume))
+    metrics = MetricsLog(os.path.join(out, "metrics.jsonl") if primary else os.devnull, append=bool(c.resume))
     ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=c.keep_checkpoints, log=log)
     # Room for the checkpoints kept (+1 being written), each ~ the state plus the loader's buffer text.
     ckpt_mb = state_bytes(state) / 2**20 + (c.shuffle_buffer_size * 1_000 / 2**20 if c.use_streaming else 0.0)
@@ -554,11 +635,29 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         if ckpt.latest_step() is None:
             raise ConfigError(f"--resume {out}: no complete checkpoint in {out}/checkpoints (an interrupted save is skipped)")
         state, resumed, loader_state = ckpt.restore(state)  # restored with the live state's shardings
+        saved_by = len(loader_state["processes"]) if loader_state and "processes" in loader_state else 1
+        if c.use_streaming and saved_by != nproc:
+            raise ConfigError(f"--resume {out}: the run was saved by {saved_by} process(es), each with its own part of "
+                              f"the data stream; resume it with --num-processes {saved_by} (devices per process may change)")
+        if nproc > 1 and c.use_streaming:
+            resumed["data_digest"] = loader_state["processes"][pid]["digest"]
+            loader_state = loader_state["processes"][pid]["loader"]
         log(f"[resume] step {resumed['step']} of {out}: {resumed['tokens']:,} tokens, epoch {resumed['epoch']}")
+    trackers = Trackers(out, resolved, use_wandb=c.wandb, wandb_project=c.wandb_project,
+                        purge_step=resumed["step"] + 1 if resumed else None) if primary else None
     bar = _progress_bar(c.max_steps)
+
+    def plot() -> None:
+        if primary:
+            try:
+                plot_loss(os.path.join(out, "metrics.jsonl"), os.path.join(out, "loss.png"))
+            except Exception as e:  # noqa: BLE001 - a plot must never stop training
+                log(f"[plot] warning: loss.png not updated ({e})")
 
     def emit(row: dict, line: str) -> None:
         metrics.write(row)
+        if trackers is not None:
+            trackers.write(row)
         if bar is not None:
             bar.write(line)
         else:
@@ -576,10 +675,10 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
                 pad = B - len(x)
                 x, y = np.pad(x, ((0, pad), (0, 0))), np.pad(y, ((0, pad), (0, 0)))
                 m = np.pad(m, ((0, pad), (0, 0)))
-            if signals:
-                log(f"[run] eval at step {step} aborted by {signals[0]}")
+            if any_process(bool(signals)):  # all processes abort together
+                log(f"[run] eval at step {step} aborted by {signals[0] if signals else 'a signal to another process'}")
                 return None
-            s, n = eval_step(state.params, *jax.device_put((x, y, m), batch_sharded))
+            s, n = eval_step(state.params, *(replicated_batch(a, batch_sharded) for a in (x, y, m)))
             nats, count = nats + float(s), count + float(n)
         loss = nats / count
         row = {"step": step, "tokens": tokens, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50)),
@@ -587,6 +686,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         sample = generate_sample(step)
         emit(row, f"eval step {step} | loss {loss:.4f} | ppl {row['eval_ppl']:.2f} | bpb {row['eval_bpb']:.4f} "
                   f"| sample: {sample[:80]!r}")
+        plot()
         eval_seconds += time.time() - t_eval
         interval_start += time.time() - t_eval  # keep eval time out of the next interval's tokens/s
         return row
@@ -596,8 +696,9 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         key = jax.random.PRNGKey(c.seed + step)
         out_ids = np.asarray(sampler(state.params, ids, 1, key))[0, 1:]
         text = tokenizer.decode(out_ids.tolist())
-        with open(os.path.join(out, "samples.txt"), "a") as f:
-            f.write(f"=== step {step}\n{text}\n\n")
+        if primary:
+            with open(os.path.join(out, "samples.txt"), "a") as f:
+                f.write(f"=== step {step}\n{text}\n\n")
         return text
 
     def first_nonfinite() -> int | None:
@@ -620,7 +721,10 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         meta = {"step": step, "tokens": tokens, "epoch": epoch, "micro_step": micro, "epoch_micro": epoch_micro,
                 "warmup_end": warmup_end, "est_total_tokens": est_total_tokens, "data_digest": digest,
                 "skipped_nonfinite": skipped_steps}
-        ckpt.save(step, state, meta, loader.state_json() if c.use_streaming else None,
+        stream = loader.state_json() if c.use_streaming else None
+        if nproc > 1 and c.use_streaming:  # every process's stream position, in the one checkpoint
+            stream = {"processes": gather_json({"loader": stream, "digest": digest})}
+        ckpt.save(step, state, meta, stream,
                   eval_loss=last_eval["eval_loss"] if last_eval and last_eval["step"] == step else None)
         nonlocal last_save
         last_save = time.time()
@@ -657,7 +761,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
             t0 = time.perf_counter()
             batch = next(batches, None)
             dt = time.perf_counter() - t0
-            if batch is None:
+            if any_process(batch is None):  # processes end an epoch together (their parts differ by < a batch)
                 break
             if compile_s is None:  # the first fetch fills the shuffle buffer: start-up, not waiting
                 first_batch_s += dt
@@ -673,7 +777,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
             if warmup_end is None and step >= warmup:
                 warmup_end = progress
             lr = lr_at(progress, step, c.learning_rate, warmup, warmup_end=warmup_end or 0.0)
-            state, m = train_step(state, jax.device_put(batch, batch_sharded), np.float32(lr))
+            state, m = train_step(state, global_batch(batch, batch_sharded), np.float32(lr))
             if sync_each_step:  # see devices.py: multi-device CPU must not run ahead
                 m["loss"].block_until_ready()
             losses.append(m["loss"])
@@ -701,17 +805,18 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
                 now = time.time()
                 tps = interval_tokens / max(now - interval_start, 1e-9)
                 row = {"step": step, "loss": loss, "lr": lr, "tokens": tokens, "tokens_per_sec": tps,
-                       "mfu": fpt * tps / peak_flops, "data_wait_frac": interval_wait / max(now - interval_start, 1e-9),
+                       "tokens_per_sec_per_device": tps / n_dev, "mfu": fpt * tps / peak_flops, "data_wait_frac": interval_wait / max(now - interval_start, 1e-9),
                        "rss_mb": rss_mb(), "elapsed_s": now - start, "epoch": epoch}
                 if monitor.device_mb is not None:
                     row["device_mb"] = monitor.device_mb
-                emit(row, f"step {step:6d} | loss {loss:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s | mfu {row['mfu']:.1%} "
+                per_device = f" ({tps / n_dev:,.0f}/device)" if n_dev > 1 else ""
+                emit(row, f"step {step:6d} | loss {loss:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s{per_device} | mfu {row['mfu']:.1%} "
                           f"| wait {row['data_wait_frac']:.1%} | rss {row['rss_mb']:,.0f} MB | {now - start:.0f}s")
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
                 interval_start, interval_wait, interval_tokens = now, 0.0, 0
-            save_due = step % c.checkpoint_every == 0 or bool(
-                c.checkpoint_minutes and time.time() - last_save >= 60 * c.checkpoint_minutes)
+            save_due = step % c.checkpoint_every == 0 or (bool(c.checkpoint_minutes) and any_process(
+                time.time() - last_save >= 60 * c.checkpoint_minutes))
             if (step % c.log_every == 0 or step % c.eval_every == 0 or save_due) and (bad := first_nonfinite()):  # the optimizer skipped it: stop before anything is saved
                 stop_reason = f"non-finite loss or gradient at step {bad} (skipped; nothing saved after it)"
                 nonfinite_stop = done = True
@@ -728,6 +833,8 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
                 stop_reason, done = f"{signals[0]}: checkpoint saved, resume with --resume {out}", True
             elif stop_file := stop_requested(out):
                 stop_reason, done = f"{os.path.basename(stop_file)} file in the output dir", True
+            if nproc > 1 and any_process(done) and not done:  # another process stops: all stop at this step
+                stop_reason, done = "another process stopped (time, signal or STOP file)", True
         if done:
             break
         if epoch == 0 and not (c.max_steps or c.max_time):  # one epoch counted: the schedule is exact now
@@ -743,13 +850,16 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
     if step == 0:
         raise DatasetError(f"{source.name}: no complete optimizer step was possible; use more data or a smaller batch")
     log(f"[run] stopped: {stop_reason}")
-    if not signals and (last_eval is None or last_eval["step"] != step):  # a signal: save now, no eval
+    if not any_process(bool(signals)) and (last_eval is None or last_eval["step"] != step):  # a signal: save now, no eval
         last_eval = evaluate(step, tokens) or last_eval
     ev = last_eval or {"eval_loss": None, "eval_ppl": None, "eval_bpb": None}
     if ckpt.latest_step() != step and not nonfinite_stop:
         save(step, tokens, epoch)
     ckpt.close()
     metrics.close()
+    if trackers is not None:
+        trackers.close()
+    plot()
     # This process's tokens; the first micro-step ran in the compile/start-up window.
     trained_tokens = tokens - resumed.get("tokens", 0) - tokens_per_step / c.gradient_accumulation_steps
     summary = {
@@ -759,6 +869,8 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         "first_batch_time_s": first_batch_s,
         "eval_time_s": eval_seconds,
         "tokenizer_time_s": tok_seconds, "tokens_per_sec": trained_tokens / max(train_seconds, 1e-9),
+        "tokens_per_sec_per_device": trained_tokens / max(train_seconds, 1e-9) / n_dev, "devices": n_dev,
+        "processes": nproc, "sharding": c.sharding, "state_mb_per_device": device_bytes(state) / 2**20,
         "model_flops_per_token": fpt, "mfu": fpt * trained_tokens / max(train_seconds, 1e-9) / peak_flops,
         "peak_flops": peak_flops, "data_wait_frac": wait / max(train_seconds, 1e-9),
         "peak_rss_mb": max(peak_rss_mb(), monitor.snapshot()["peak_rss_mb"]),
@@ -766,8 +878,9 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         "optimizer_state_bytes": opt_bytes,
         "stop_reason": stop_reason, "output_dir": out, "data_digest": digest, "skipped_nonfinite": skipped_steps,
     }
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    if primary:
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
     scored = f"eval loss {ev['eval_loss']:.4f} | bpb {ev['eval_bpb']:.4f}" if last_eval else "no eval (stopped by a signal)"
     log(f"[done] {step} steps, {tokens:,} tokens in {summary['wall_time_s']:.0f}s | {scored} "
         f"| {summary['tokens_per_sec']:,.0f} tok/s | mfu {summary['mfu']:.1%} "
@@ -791,11 +904,14 @@ def _progress_bar(total: int | None):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    for action in parser._actions:  # a second parse without defaults tells which flags were given
-        action.default = argparse.SUPPRESS
-    explicit = set(vars(parser.parse_args(argv)))
-    config = Config(**vars(args))
+    try:  # --config FILE (YAML/JSON, or a run's config.json): flags given win over it, it over defaults
+        values, explicit, notes = parse_args_with_config(parser, argv, Config)
+    except ConfigFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(note)
+    config = Config(**values)
     try:
         train(config, start_time=_PROCESS_START, explicit=explicit)
     except USER_ERRORS as e:

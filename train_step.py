@@ -79,8 +79,14 @@ def init_state(params: PyTree, tx: optax.GradientTransformation) -> TrainState:
     return TrainState(micro_step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def make_train_step(model: Transformer, tx: optax.GradientTransformation):
-    """jit(state, batch, lr) -> (state, metrics); the old state's buffers are donated."""
+def make_train_step(model: Transformer, tx: optax.GradientTransformation, state_sharding: PyTree = None,
+                    batch_sharding: Any = None):
+    """jit(state, batch, lr) -> (state, metrics); the old state's buffers are donated.
+
+    With shardings (devices.state_shardings / the mesh's batch sharding) the step's inputs and outputs
+    are pinned to them: the state leaves the step laid out as it came in (replicated for DP, split for
+    FSDP) and the metrics are replicated scalars.
+    """
 
     def loss_fn(params: PyTree, batch: dict) -> jax.Array:
         return token_nll(model, params, batch["input_ids"], batch["targets"]).mean()
@@ -93,7 +99,11 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation):
         grad_norm = optax.tree.norm(grads)
         return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
 
-    return jax.jit(step, donate_argnums=0)
+    if state_sharding is None:
+        return jax.jit(step, donate_argnums=0)
+    replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding, replicated),
+                   out_shardings=(state_sharding, replicated))
 
 
 def make_eval_step(model: Transformer):
