@@ -20,9 +20,12 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.keep, self.log = keep, log
         self.pending: int | None = None  # the last save, verified once it has been committed
+        self.pending_tree: set[str] = set()  # its state's leaf paths, to compare with what was written
         self.eval_loss: dict[int, float] = {}  # step -> eval loss of the params saved there
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True)
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True),
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+                           "loader": ocp.JsonCheckpointHandler()},  # so a reopened dir can read its metadata
         )
 
     def _prune(self) -> None:
@@ -49,26 +52,32 @@ class Checkpointer:
                                     loader=ocp.args.JsonSave(loader or {})),
             force=True,
         )
-        self.pending = step
+        self.pending, self.pending_tree = step, _leaf_paths(state)
         self._prune()
 
-    def verify(self, step: int) -> str | None:
-        """Reopen a committed checkpoint: listed, its record readable and for this step. None when sound."""
+    def verify(self, step: int, tree: set[str] | None = None) -> str | None:
+        """Reopen a committed checkpoint: listed, its record readable and for this step, and (given the
+        saved state's leaf paths) the same tree on disk. None when sound."""
         if step not in self.manager.all_steps(read=True):
             return "not among the committed checkpoints"
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            written = _leaf_paths(self.manager.item_metadata(step)["state"]) if tree else None
         except Exception as e:  # any failure to read it back is the finding
             return f"unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        return None if meta.get("step", step) == step else f"records step {meta.get('step')}"
+        if meta.get("step", step) != step:
+            return f"records step {meta.get('step')}"
+        if tree and not tree <= written:  # (orbax also lists empty optimizer nodes, hence <=)
+            return f"state tree on disk lacks {len(tree - written)} saved leaves, e.g. {sorted(tree - written)[:2]}"
+        return None
 
     def verify_pending(self) -> None:
         """Wait for the last async save and verify it; loud (a log line per failure) but never fatal."""
         if self.pending is None:
             return
         self.manager.wait_until_finished()
-        step, self.pending = self.pending, None
-        problem = self.verify(step)
+        step, tree, self.pending = self.pending, self.pending_tree, None
+        problem = self.verify(step, tree)
         if problem:
             self.log(f"[checkpoint] VERIFY FAILED for step {step} in {self.directory}: {problem}; "
                      f"the previous checkpoint is still there")
@@ -94,6 +103,13 @@ class Checkpointer:
     def close(self) -> None:
         self.verify_pending()
         self.manager.close()
+
+
+def _leaf_paths(tree: Any) -> set[str]:
+    """'/'-joined key paths of a pytree's leaves (live arrays or orbax's metadata tree)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+    return {"/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+            for path, _ in leaves}
 
 
 def load_run(run_dir: str, step: int | None = None) -> dict:

@@ -893,12 +893,19 @@ def _plan_record(plan: dict) -> dict:
     return {k: round(plan[k], 1) for k in ("estimated_peak_rss_mb", "estimated_device_mb", "compiled_device_mb")}
 
 
-def _progress_bar(total: int | None):
-    """A tqdm bar on an interactive terminal; None (plain log lines) otherwise."""
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
+def _in_notebook() -> bool:
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    return type(shell).__name__ == "ZMQInteractiveShell"  # Jupyter, VS Code and Colab kernels
 
+
+def _progress_bar(total: int | None):
+    """A tqdm bar on an interactive terminal or in a notebook (widget); None (plain log lines) otherwise."""
+    if _in_notebook():
+        from tqdm.auto import tqdm
+    elif sys.stderr.isatty():
+        from tqdm import tqdm
+    else:
+        return None
     return tqdm(total=total, unit="step", dynamic_ncols=True)
 
 

@@ -271,3 +271,8 @@ def test_each_save_is_verified_and_a_broken_one_is_loud(tmp_path):
     ck.save(3, {"w": jnp.ones(4)}, {"step": 99})  # a record that does not match its step
     ck.close()
     assert len(logs) == 1 and "VERIFY FAILED for step 3" in logs[0] and "records step 99" in logs[0]
+    # The state tree is compared too: a checkpoint whose state lacks a saved leaf is reported.
+    ck = Checkpointer(str(tmp_path / "ckpt"), keep=None, log=logs.append)
+    assert ck.verify(2, {"w"}) is None
+    assert "lacks 1 saved leaves" in ck.verify(2, {"w", "b"})
+    ck.close()
