@@ -59,7 +59,7 @@ def compile_plan(c, shape, data_mb: float, budget_bytes: int | None) -> dict:
                                 mixed_precision=c.use_mixed_precision, use_8bit_optimizer=c.use_8bit_optimizer,
                                 gradient_accumulation_steps=c.gradient_accumulation_steps,
                                 gradient_checkpointing=c.gradient_checkpointing, streaming=c.use_streaming,
-                                devices=n_dev, platform=platform)
+                                devices=n_dev, platform=platform, sharding=getattr(c, "sharding", "dp"))
     on_host = n_dev * compiled_mb if platform == "cpu" else 0.0
     rss_mb = FRAMEWORK_MB + data_mb + on_host
     if platform == "cpu":

@@ -272,6 +272,7 @@ def estimate_memory_usage(
     streaming: bool = True,
     devices: int = 1,
     platform: str = "cpu",
+    sharding: str = "dp",
 ) -> dict:
     """Memory of a run in MB: the data side always, and the whole run when a model is given.
 
@@ -287,7 +288,7 @@ def estimate_memory_usage(
     (params, gradients, optimizer state, accumulation buffer, activations, logits; formulas in
     memory_estimate.py), `device_total_mb` and `host_rss_mb` = framework + data pipeline (streaming or
     full load) + on CPU the device totals of all `devices` host devices. `batch_size` is the global
-    micro-batch, split over `devices`. The result is a dict that prints as a table (also in notebooks).
+    micro-batch, split over `devices`; `sharding="fsdp"` splits the train state over them too. The result is a dict that prints as a table (also in notebooks).
     """
     from memory_estimate import MB, MemoryEstimate, device_breakdown, host_rss_mb
 
@@ -318,7 +319,8 @@ def estimate_memory_usage(
         raise ValueError(f"batch_size {batch_size} does not split over {devices} devices")
     dev = device_breakdown(shape, seq_len, batch_size // devices, mixed_precision=mixed_precision,
                            gradient_checkpointing=gradient_checkpointing, use_8bit_optimizer=use_8bit_optimizer,
-                           gradient_accumulation_steps=gradient_accumulation_steps, devices=devices)
+                           gradient_accumulation_steps=gradient_accumulation_steps, devices=devices,
+                           fsdp=sharding == "fsdp")
     for k, v in dev.items():
         out[f"{k}_mb" if k != "total" else "device_total_mb"] = round(v * mb, 3)
     data_mb = streaming_mb if streaming else full
