@@ -72,6 +72,14 @@ def test_tiny_run_writes_every_output(tiny_run):
         assert key in summary
     assert summary["steps"] == 60 and summary["tokens"] == 60 * 16 * 64
     assert "Traceback" not in proc.stderr
+    # TensorBoard events with the logged scalars, and the loss plot (a PNG).
+    assert list(out.glob("events.out.tfevents.*")) and (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The run's config.json is a valid --config file: every key is a flag or a known derived key.
+    from config_file import load_config_file
+    from train_optimized import Config
+
+    values, _ = load_config_file(str(out / "config.json"), Config)
+    assert values["seq_len"] == config["seq_len"] and values["learning_rate"] == config["learning_rate"]
 
 
 def test_help_documents_every_flag_with_default(capsys):
