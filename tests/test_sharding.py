@@ -183,3 +183,13 @@ def test_two_processes_on_localhost_train_together_and_equal_one_process(tmp_pat
     # The checkpoint holds both processes' stream positions: one process cannot resume it.
     single = _train(["--resume", str(run), "--max-steps", "8"], env=env)
     assert single.returncode == 2 and "resume it with --num-processes 2" in single.stderr
+    # The same two processes resume it: each continues its own part of the stream.
+    port = _free_port()
+    resume = ["--resume", str(run), "--max-steps", "8", "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{port}"]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "train_optimized.py"), *resume, "--process-id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+             for i in (0, 1)]
+    outs = [p.communicate(timeout=400) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 8 and "[resume] step 6" in outs[0][0]
