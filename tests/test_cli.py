@@ -213,3 +213,16 @@ def test_skip_nonfinite_allows_n_bad_steps_then_stops(tmp_path, data_dir, monkey
     assert summary["skipped_nonfinite"] == 3 and summary["steps"] == 5
     assert summary["stop_reason"].startswith("non-finite loss or gradient at step 5 ")
     assert sum("skipped (" in line for line in logs) == 3
+
+
+def test_progress_bar_in_a_notebook_kernel_and_not_in_a_pipe(monkeypatch):
+    import types
+
+    import train_optimized
+
+    assert train_optimized._progress_bar(10) is None  # pytest's stderr is not a terminal: log lines
+    ZMQInteractiveShell = type("ZMQInteractiveShell", (), {})
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=ZMQInteractiveShell))
+    bar = train_optimized._progress_bar(10)
+    assert bar is not None and bar.total == 10
+    bar.close()
