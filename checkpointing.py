@@ -112,12 +112,37 @@ def _leaf_paths(tree: Any) -> set[str]:
             for path, _ in leaves}
 
 
+class RunError(ValueError):
+    """A run directory that cannot be loaded; the one-line message names the flag or file."""
+
+
 def load_run(run_dir: str, step: int | None = None) -> dict:
     """A finished or running run's newest (or given) checkpoint, for sampling and export.
 
     Returns {"config": config.json, "shape": ModelShape, "params": float32 param pytree, "tokenizer":
-    tokenizers.Tokenizer, "step": int}. Raises FileNotFoundError naming what is missing.
+    tokenizers.Tokenizer, "step": int}. Every failure (missing file, unknown --step, a corrupt or
+    foreign checkpoint) is a RunError with a one-line message.
     """
+    from tokenizer_utils import TokenizerError
+
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if step is not None and os.path.isdir(ckpt_dir):
+        steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit())
+        if step not in steps:
+            raise RunError(f"--step {step}: no such checkpoint in {ckpt_dir} (have: "
+                           f"{', '.join(map(str, steps)) or 'none'})")
+    try:
+        return _load_run(run_dir, step)
+    except (FileNotFoundError, TokenizerError) as e:
+        raise RunError(str(e).splitlines()[0] if str(e) else f"--run {run_dir}: incomplete run") from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - a corrupt or foreign checkpoint: say which and why, in one line
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise RunError(f"--run {run_dir}: could not load the checkpoint ({type(e).__name__}: {why})") from None
+
+
+def _load_run(run_dir: str, step: int | None) -> dict:
     import json
 
     from model import Transformer, init_params

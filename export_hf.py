@@ -247,25 +247,13 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def load(run_dir: str, step: int | None) -> dict:
-    """checkpointing.load_run with every failure as a one-line ExportError naming the flag or file."""
-    from checkpointing import load_run
-    from tokenizer_utils import TokenizerError
+    """checkpointing.load_run, its failures as one-line ExportErrors."""
+    from checkpointing import RunError, load_run
 
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if step is not None and os.path.isdir(ckpt_dir):
-        steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit())
-        if step not in steps:
-            raise ExportError(f"--step {step}: no such checkpoint in {ckpt_dir} (have: "
-                              f"{', '.join(map(str, steps)) or 'none'})")
     try:
         return load_run(run_dir, step)
-    except (FileNotFoundError, TokenizerError) as e:
-        raise ExportError(str(e).splitlines()[0] if str(e) else f"--run {run_dir}: incomplete run") from None
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as e:  # a corrupt or foreign checkpoint: say which and why, in one line
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ExportError(f"--run {run_dir}: could not load the checkpoint ({type(e).__name__}: {why})") from None
+    except RunError as e:
+        raise ExportError(str(e)) from None
 
 
 def run(args: argparse.Namespace, err: Any = sys.stderr) -> list[str]:
