@@ -92,6 +92,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_processes(args: list[str], env: dict) -> list[tuple[str, str]]:
+    """Run the trainer as processes 0 and 1 of 2; both must exit 0. Returns their (stdout, stderr)."""
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "train_optimized.py"), *args, "--process-id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+             for i in (0, 1)]
+    outs = [p.communicate(timeout=400) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return outs
+
+
 def _tiny(data_dir, out, *extra) -> list[str]:
     return ["--use-streaming", "--dataset-id", str(data_dir / "tinyshakespeare_train.txt"), "--target-params", "100000",
             "--seq-len", "32", "--batch-size", "8", "--eval-tokens", "2048", "--output-dir", str(out), *extra]
@@ -160,12 +171,7 @@ def test_two_processes_on_localhost_train_together_and_equal_one_process(tmp_pat
     args = _tiny(data_dir, run, "--max-steps", "6", "--log-every", "1", "--eval-every", "6", "--warmup-steps", "0",
                  "--shuffle-buffer-size", "0", "--cpu-devices", "1", "--num-processes", "2",
                  "--coordinator-address", f"127.0.0.1:{port}")
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "train_optimized.py"), *args, "--process-id", str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-             for i in (0, 1)]
-    outs = [p.communicate(timeout=400) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+    outs = _two_processes(args, env)
     assert "step      6" in outs[0][0] and "step" not in outs[1][0]  # process 0 speaks for both
     summary = json.loads((run / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["devices"] == 2
@@ -186,10 +192,5 @@ def test_two_processes_on_localhost_train_together_and_equal_one_process(tmp_pat
     # The same two processes resume it: each continues its own part of the stream.
     port = _free_port()
     resume = ["--resume", str(run), "--max-steps", "8", "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{port}"]
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "train_optimized.py"), *resume, "--process-id", str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-             for i in (0, 1)]
-    outs = [p.communicate(timeout=400) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+    outs = _two_processes(resume, env)
     assert json.loads((run / "summary.json").read_text())["steps"] == 8 and "[resume] step 6" in outs[0][0]
