@@ -58,7 +58,8 @@ class Checkpointer:
     def verify(self, step: int, tree: set[str] | None = None) -> str | None:
         """Reopen a committed checkpoint: listed, its record readable and for this step, and (given the
         saved state's leaf paths) the same tree on disk. None when sound."""
-        if step not in self.manager.all_steps(read=True):
+        self.manager.reload()  # read the directory again, not the manager's own record
+        if step not in self.manager.all_steps():
             return "not among the committed checkpoints"
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
