@@ -246,19 +246,11 @@ def validate(args: argparse.Namespace) -> None:
         raise ExportError(f"--out {args.out}: is the run directory itself; choose another folder")
 
 
-def load(run_dir: str, step: int | None) -> dict:
-    """checkpointing.load_run, its failures as one-line ExportErrors."""
-    from checkpointing import RunError, load_run
-
-    try:
-        return load_run(run_dir, step)
-    except RunError as e:
-        raise ExportError(str(e)) from None
-
-
 def run(args: argparse.Namespace, err: Any = sys.stderr) -> list[str]:
     validate(args)
-    loaded = load(args.run, args.step)
+    from checkpointing import load_run  # its RunErrors are one-line messages too
+
+    loaded = load_run(args.run, args.step)
     shape, config = loaded["shape"], loaded["config"]
     max_positions = max(int(config.get("seq_len") or 0), 1)
     try:
@@ -275,10 +267,12 @@ def run(args: argparse.Namespace, err: Any = sys.stderr) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from checkpointing import RunError
+
     try:
         args = build_parser().parse_args(argv)
         run(args)
-    except ExportError as e:
+    except (ExportError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -295,23 +295,15 @@ def validate(args: argparse.Namespace) -> None:
         raise GenerateError(f"--run {args.run}: no such directory")
 
 
-def load(run_dir: str, step: int | None) -> dict:
-    """checkpointing.load_run, its failures as one-line GenerateErrors."""
-    from checkpointing import RunError, load_run
-
-    try:
-        return load_run(run_dir, step)
-    except RunError as e:
-        raise GenerateError(str(e)) from None
-
-
 def run(args: argparse.Namespace, out: Any = None, err: Any = None) -> None:
     """Load, sample and stream to `out` (stdout), warnings and the speed line to `err` (stderr)."""
     from tokenizer_utils import eot_id
 
     out, err = out or sys.stdout, err or sys.stderr
     validate(args)
-    loaded = load(args.run, args.step)
+    from checkpointing import load_run  # its RunErrors are one-line messages too
+
+    loaded = load_run(args.run, args.step)
     tokenizer, config = loaded["tokenizer"], loaded["config"]
     model = Transformer(loaded["shape"], dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
     eot = eot_id(tokenizer)
@@ -355,10 +347,12 @@ def run(args: argparse.Namespace, out: Any = None, err: Any = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from checkpointing import RunError
+
     try:
         args = build_parser().parse_args(argv)
         run(args)
-    except GenerateError as e:
+    except (GenerateError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
