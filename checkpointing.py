@@ -6,6 +6,7 @@ temporary directory), so a crash mid-save leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -56,19 +57,28 @@ class Checkpointer:
         self._prune()
 
     def verify(self, step: int, tree: set[str] | None = None) -> str | None:
-        """Reopen a committed checkpoint: listed, its record readable and for this step, and (given the
-        saved state's leaf paths) the same tree on disk. None when sound."""
-        self.manager.reload()  # read the directory again, not the manager's own record
-        if step not in self.manager.all_steps():
+        """Reopen a committed checkpoint from its files: there, its record readable and for this step,
+        and (given the saved state's leaf paths) every leaf in the state's tree on disk. None when sound.
+
+        Plain file reads, no orbax restore: a restore ends in a barrier across processes, which one
+        process's failed check must not leave the others waiting in.
+        """
+        path = os.path.join(self.directory, str(step))  # orbax renames its temp dir to this on commit
+        if not os.path.isdir(path):
             return "not among the committed checkpoints"
         try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-            written = _leaf_paths(self.manager.item_metadata(step)["state"]) if tree else None
-        except Exception as e:  # any failure to read it back is the finding
+            with open(os.path.join(path, "meta", "metadata")) as f:
+                meta = json.load(f)
+            written = None
+            if tree:
+                with open(os.path.join(path, "state", "_METADATA")) as f:
+                    written = {"/".join(str(k["key"]) for k in leaf["key_metadata"])
+                               for leaf in json.load(f)["tree_metadata"].values()}
+        except (OSError, ValueError, KeyError, TypeError) as e:  # any failure to read it back is the finding
             return f"unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         if meta.get("step", step) != step:
             return f"records step {meta.get('step')}"
-        if tree and not tree <= written:  # (orbax also lists empty optimizer nodes, hence <=)
+        if tree and not tree <= written:  # (orbax may also list empty optimizer nodes, hence <=)
             return f"state tree on disk lacks {len(tree - written)} saved leaves, e.g. {sorted(tree - written)[:2]}"
         return None
 
@@ -78,7 +88,7 @@ class Checkpointer:
             return
         self.manager.wait_until_finished()
         step, tree, self.pending = self.pending, self.pending_tree, None
-        problem = self.verify(step, tree)
+        problem = self.verify(step, tree) if jax.process_index() == 0 else None  # one process reports
         if problem:
             self.log(f"[checkpoint] VERIFY FAILED for step {step} in {self.directory}: {problem}; "
                      f"the previous checkpoint is still there")

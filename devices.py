@@ -79,8 +79,8 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
 def cluster_detected() -> bool:
     """Environments where jax.distributed.initialize() finds its own settings (SLURM, Open MPI, JAX_* vars)."""
     env = os.environ
-    return bool(env.get("JAX_COORDINATOR_ADDRESS")) or (
-        int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in env) or int(
+    slurm = all(k in env for k in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NODELIST"))
+    return bool(env.get("JAX_COORDINATOR_ADDRESS")) or (slurm and int(env.get("SLURM_NTASKS", "1") or 1) > 1) or int(
         env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1
 
 
@@ -172,6 +172,18 @@ def gather_json(obj) -> list:
     padded[: data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
     return [json.loads(bytes(row[:size]).decode()) for row, size in zip(rows, sizes)]
+
+
+def from_process0(x: float) -> float:
+    """Process 0's value of `x` on every process (one process: `x`)."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return x
+    from jax.experimental import multihost_utils
+
+    return float(np.asarray(multihost_utils.process_allgather(np.array([x], np.float32))).reshape(-1)[0])
 
 
 def any_process(flag: bool) -> bool:

@@ -186,17 +186,22 @@ class HubDataset(TextSource):
             # Shard order only (our buffer shuffles documents). Not with a held-out head: reordering
             # shards would move held-out documents into training.
             ds = ds.shuffle(seed=shuffle_seed, buffer_size=1)
-        if shard is not None and shard[1] > 1:
+        texts = _texts(ds, self.text_column, f"--dataset-id {self.name}")
+        if shard is not None and shard[1] > 1 and skip_head:
+            # The held-out head is the head of the whole stream: skip it, then keep every count-th document
+            # (a file-level split would skip part of the head inside each process's files instead).
+            yield from shard_of(itertools.islice(texts, skip_head, None), shard)
+            return
+        if shard is not None and shard[1] > 1:  # files split between processes where they divide evenly
             from datasets.distributed import split_dataset_by_node
 
-            if skip_head:  # the held-out head is the head of the whole stream, before the split
-                ds, skip_head = ds.skip(skip_head), 0
             shards = getattr(ds, "num_shards", None) or getattr(ds, "n_shards", None)
             if self.streaming and shards is not None and shards % shard[1] and shard[0] == 0:
                 print(f"[data] warning: {self.name} has {shards} file shards for {shard[1]} processes; each "
                       f"process reads every shard and keeps 1 document in {shard[1]}", file=sys.stderr)
-            ds = split_dataset_by_node(ds, rank=shard[0], world_size=shard[1])
-        yield from itertools.islice(_texts(ds, self.text_column, f"--dataset-id {self.name}"), skip_head, None)
+            texts = _texts(split_dataset_by_node(ds, rank=shard[0], world_size=shard[1]), self.text_column,
+                           f"--dataset-id {self.name}")
+        yield from itertools.islice(texts, skip_head, None)
 
     def validation(self) -> TextSource | None:
         import datasets

@@ -60,7 +60,8 @@ def compile_plan(c, shape, data_mb: float, budget_bytes: int | None) -> dict:
                                 gradient_accumulation_steps=c.gradient_accumulation_steps,
                                 gradient_checkpointing=c.gradient_checkpointing, streaming=c.use_streaming,
                                 devices=n_dev, platform=platform, sharding=getattr(c, "sharding", "dp"))
-    on_host = n_dev * compiled_mb if platform == "cpu" else 0.0
+    local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())  # this host's share
+    on_host = local * compiled_mb if platform == "cpu" else 0.0
     rss_mb = FRAMEWORK_MB + data_mb + on_host
     if platform == "cpu":
         predicted, what = rss_mb, "peak host RSS"

@@ -391,30 +391,24 @@ def train(config: Config, start_time: float | None = None, log=print, explicit: 
         require_wandb()
     if c.resume:
         c = resume_config(c, explicit)
+    pid, nproc = start_processes(c)  # before anything asks jax for its devices (--preset auto does)
+    if pid != 0:
+        log = _silent  # one process speaks for all
     if c.preset and not c.resume:
         if c.preset == "auto":  # it asks jax for the platform: the host devices must be set up first
             from devices import configure_cpu_devices
 
             configure_cpu_devices(c.cpu_devices)
         changed = apply_preset(c, explicit)
+        if nproc > 1:  # "auto" reads each host's RAM: process 0's choice for all
+            keys = sorted({k for preset in PRESETS.values() for k in preset})
+            chosen = _from_process0(lambda: {k: getattr(c, k) for k in keys}, pid, nproc)
+            c = dataclasses.replace(c, **chosen)
         log(f"[preset] {c.preset}: {', '.join(changed) or 'nothing to change (explicit flags win)'}")
         validate(c)
-    pid, nproc = start_processes(c)
-    if nproc == 1:
-        out = prepare_output_dir(c)
-    else:  # process 0 makes (or checks) the output dir; every process learns its name, or the error
-        from devices import gather_json
-
-        try:
-            made = {"out": prepare_output_dir(c)} if pid == 0 else {}
-        except ConfigError as e:
-            made = {"error": str(e)}
-        made = gather_json(made)[0]
-        if "error" in made:
-            raise ConfigError(made["error"])
-        out = made["out"]
-        if pid != 0:
-            log = _silent  # one process speaks for all
+    # Process 0 makes (or checks) the output dir; every process learns its name, or the error.
+    out = _from_process0(lambda: os.path.abspath(prepare_output_dir(c)) if nproc > 1 else prepare_output_dir(c),
+                         pid, nproc)
     os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
     monitor = MemoryMonitor(alert_mb=c.memory_alert_mb, on_alert=log).start()  # RSS from here on
     signals: list[str] = []  # SIGTERM/SIGINT seen: finish the step, save, summarise, return
@@ -440,11 +434,29 @@ def _silent(*args, **kwargs) -> None:
     pass
 
 
+def _from_process0(fn, pid: int, nproc: int):
+    """fn() run on process 0 only (JSON-able result), shared with every process; so is its user error,
+    so no process is left waiting in a collective while another exits."""
+    if nproc == 1:
+        return fn()
+    from devices import gather_json
+
+    try:
+        sent = {"value": fn()} if pid == 0 else {}
+    except USER_ERRORS as e:
+        sent = {"error": str(e)}
+    sent = gather_json(sent)[0]
+    if "error" in sent:
+        raise ConfigError(sent["error"])
+    return sent["value"]
+
+
 def start_processes(c: Config) -> tuple[int, int]:
     """(this process, processes): jax.distributed when asked by flags or a cluster; (0, 1) otherwise, without importing jax."""
     from devices import cluster_detected
 
-    if c.coordinator_address is None and c.num_processes is None and c.process_id is None and not cluster_detected():
+    if c.num_processes == 1 or (c.coordinator_address is None and c.num_processes is None and c.process_id is None
+                                and not cluster_detected()):
         return 0, 1
     from devices import ShardingError, configure_cpu_devices, init_distributed
 
@@ -478,17 +490,19 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         if not rest:
             raise DatasetError(f"{source.name}: holding out --eval-tokens {c.eval_tokens} leaves nothing to train on; "
                                f"pass --eval-dataset-id, a smaller --eval-tokens, or more documents")
-    if primary:
+    if nproc == 1:
         tokenizer, tok_seconds = build_tokenizer(c, source, skip_docs, log)
         tokenizer.save(os.path.join(out, "tokenizer.json"))
-    if nproc > 1:  # process 0's tokenizer, sent to all (no shared filesystem needed)
+    else:  # process 0's tokenizer (or its error), sent to all: no shared filesystem needed
         from tokenizers import Tokenizer
 
-        from devices import gather_json
+        def build() -> list:
+            tok, seconds = build_tokenizer(c, source, skip_docs, log)
+            tok.save(os.path.join(out, "tokenizer.json"))
+            return [tok.to_str(), seconds]
 
-        shared = gather_json(tokenizer.to_str() if primary else None)[0]
-        if not primary:
-            tokenizer, tok_seconds = Tokenizer.from_str(shared), 0.0
+        text, tok_seconds = _from_process0(build, pid, nproc)
+        tokenizer = Tokenizer.from_str(text)
     vocab = tokenizer.get_vocab_size()
     shape = choose_shape(c.target_params, vocab, c.n_layers, c.d_model, c.n_heads)
     n_params = count_params(shape)
@@ -516,7 +530,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
     import jax
     import jax.numpy as jnp
 
-    from devices import any_process, configure_cpu_devices, device_bytes, gather_json, global_batch, needs_step_sync, replicated_batch, shardings
+    from devices import any_process, configure_cpu_devices, device_bytes, from_process0, gather_json, global_batch, needs_step_sync, replicated_batch, shardings
 
     configure_cpu_devices(c.cpu_devices)
     from adam8bit import state_bytes
@@ -538,11 +552,15 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
                               f"--target-params / --seq-len")
     else:
         choices = [{}]
+    if nproc > 1:  # each host reads its own free memory: process 0's candidates for all
+        choices = _from_process0(lambda: choices, pid, nproc)
     for i, choice in enumerate(choices[:4]):  # XLA has the last word: compile and check the best few
         for k in ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "use_mixed_precision",
                   "gradient_checkpointing"):
             setattr(c, k, choice.get(k, getattr(c, k)))
         plan = compile_plan(c, shape, data_mb, int(budget * 0.9) if c.auto_fit else budget)
+        if nproc > 1:  # the processes decide together: one host's refusal is everyone's
+            plan["refusal"] = next((r for r in gather_json(plan["refusal"]) if r), None)
         if plan["refusal"] is None:
             break
         if not c.auto_fit:
@@ -635,17 +653,17 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
         if ckpt.latest_step() is None:
             raise ConfigError(f"--resume {out}: no complete checkpoint in {out}/checkpoints (an interrupted save is skipped)")
         state, resumed, loader_state = ckpt.restore(state)  # restored with the live state's shardings
-        saved_by = len(loader_state["processes"]) if loader_state and "processes" in loader_state else 1
-        if c.use_streaming and saved_by != nproc:
+        saved_by = resumed.get("processes", 1)
+        if saved_by != nproc:
             raise ConfigError(f"--resume {out}: the run was saved by {saved_by} process(es), each with its own part of "
-                              f"the data stream; resume it with --num-processes {saved_by} (devices per process may change)")
+                              f"the data; resume it with --num-processes {saved_by} (devices per process may change)")
         if nproc > 1 and c.use_streaming:
             resumed["data_digest"] = loader_state["processes"][pid]["digest"]
             loader_state = loader_state["processes"][pid]["loader"]
         log(f"[resume] step {resumed['step']} of {out}: {resumed['tokens']:,} tokens, epoch {resumed['epoch']}")
     trackers = Trackers(out, resolved, use_wandb=c.wandb, wandb_project=c.wandb_project,
                         purge_step=resumed["step"] + 1 if resumed else None) if primary else None
-    bar = _progress_bar(c.max_steps)
+    bar = _progress_bar(c.max_steps) if primary else None
 
     def plot() -> None:
         if primary:
@@ -720,7 +738,7 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
     def save(step: int, tokens: int, epoch: int) -> None:
         meta = {"step": step, "tokens": tokens, "epoch": epoch, "micro_step": micro, "epoch_micro": epoch_micro,
                 "warmup_end": warmup_end, "est_total_tokens": est_total_tokens, "data_digest": digest,
-                "skipped_nonfinite": skipped_steps}
+                "skipped_nonfinite": skipped_steps, "processes": nproc}
         stream = loader.state_json() if c.use_streaming else None
         if nproc > 1 and c.use_streaming:  # every process's stream position, in the one checkpoint
             stream = {"processes": gather_json({"loader": stream, "digest": digest})}
@@ -770,8 +788,8 @@ def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signa
                 interval_wait += dt
             if c.max_steps:
                 progress = step / c.max_steps
-            elif c.max_time:
-                progress = (time.time() - start) / c.max_time
+            elif c.max_time:  # each process has its own clock: process 0's sets everyone's learning rate
+                progress = from_process0((time.time() - start) / c.max_time)
             else:
                 progress = tokens / est_total_tokens if est_total_tokens else 0.0
             if warmup_end is None and step >= warmup:
@@ -923,6 +941,10 @@ def main(argv: list[str] | None = None) -> int:
         train(config, start_time=_PROCESS_START, explicit=explicit)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
+        jax = sys.modules.get("jax")
+        if jax is not None and jax.distributed.is_initialized():  # don't wait at exit for processes that go on
+            sys.stderr.flush()
+            os._exit(2)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -49,3 +49,14 @@ def test_hub_dataset_wrong_column_and_missing_split_are_clear_errors(hub_like_di
         list(HubDataset(str(hub_like_dir), text_column="body").documents())
     with pytest.raises(DatasetError, match="could not load"):
         list(HubDataset(str(hub_like_dir), split="nope").documents())
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_hub_dataset_processes_read_disjoint_parts(hub_like_dir, streaming):
+    src = HubDataset(str(hub_like_dir), streaming=streaming)
+    everything = list(src.documents())
+    parts = [list(src.documents(shard=(i, 2))) for i in (0, 1)]  # datasets.distributed.split_dataset_by_node
+    assert not set(parts[0]) & set(parts[1]) and sorted(parts[0] + parts[1]) == sorted(everything)
+    # With a held-out head, the head of the whole stream is skipped first, then the rest is split.
+    parts = [list(src.documents(skip_head=7, shard=(i, 2))) for i in (0, 1)]
+    assert parts[0] == everything[7::2] and parts[1] == everything[8::2]
