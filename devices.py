@@ -54,16 +54,19 @@ class ShardingError(ValueError):
 
 
 def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None) -> tuple[int, int]:
+                     process_id: int | None = None, cpu_devices: int | None = None) -> tuple[int, int]:
     """Start jax.distributed when asked (any argument given, or a cluster JAX detects); (process, count).
 
-    Call before anything touches jax's backend. On CPU the processes' collectives go through gloo.
+    Call before anything touches jax's backend; `cpu_devices` host devices per process on CPU (see
+    configure_cpu_devices). On CPU the processes' collectives go through gloo. Not asked, or
+    `num_processes` 1: (0, 1) without importing jax.
     """
+    asked = any(v is not None for v in (coordinator_address, num_processes, process_id))
+    if num_processes == 1 or (not asked and not cluster_detected()):
+        return 0, 1
     import jax
 
-    asked = any(v is not None for v in (coordinator_address, num_processes, process_id))
-    if not asked and not cluster_detected():
-        return 0, 1
+    configure_cpu_devices(cpu_devices)
     if jax.distributed.is_initialized():
         return jax.process_index(), jax.process_count()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

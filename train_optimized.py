@@ -391,7 +391,9 @@ def train(config: Config, start_time: float | None = None, log=print, explicit: 
         require_wandb()
     if c.resume:
         c = resume_config(c, explicit)
-    pid, nproc = start_processes(c)  # before anything asks jax for its devices (--preset auto does)
+    from devices import init_distributed  # before anything asks jax for its devices (--preset auto does)
+
+    pid, nproc = init_distributed(c.coordinator_address, c.num_processes, c.process_id, c.cpu_devices)
     if pid != 0:
         log = _silent  # one process speaks for all
     if c.preset and not c.resume:
@@ -449,22 +451,6 @@ def _from_process0(fn, pid: int, nproc: int):
     if "error" in sent:
         raise ConfigError(sent["error"])
     return sent["value"]
-
-
-def start_processes(c: Config) -> tuple[int, int]:
-    """(this process, processes): jax.distributed when asked by flags or a cluster; (0, 1) otherwise, without importing jax."""
-    from devices import cluster_detected
-
-    if c.num_processes == 1 or (c.coordinator_address is None and c.num_processes is None and c.process_id is None
-                                and not cluster_detected()):
-        return 0, 1
-    from devices import ShardingError, configure_cpu_devices, init_distributed
-
-    configure_cpu_devices(c.cpu_devices)
-    try:
-        return init_distributed(c.coordinator_address, c.num_processes, c.process_id)
-    except ShardingError as e:
-        raise ConfigError(str(e)) from None
 
 
 def _train(c: Config, start: float, out: str, monitor: MemoryMonitor, log, signals: list[str],
