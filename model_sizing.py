@@ -1,188 +1,20 @@
-"""Pick a transformer shape for a parameter target. Pure Python: no jax import.
+"""Pick a transformer shape for a parameter target (pure Python): `choose_shape(target, vocab)`.
 
-The model (see model.py) is a decoder-only transformer with a tied embedding, no biases,
-RMSNorm (a scale vector only), fused QKV attention and a SwiGLU MLP. Its exact parameter count:
-
-    N = V*D                      tied token embedding (also the output projection)
-      + L * (4*D*D               q, k, v, o projections (n_heads * head_dim == D)
-             + 3*D*F             SwiGLU gate, up (D x F each) and down (F x D)
-             + 2*D)              two RMSNorm scales per block
-      + D                        final RMSNorm scale
-
-Sizing rule (`choose_shape`):
-  * width D is a multiple of 32; head_dim is 32 below D=512 and 64 from there (heads = D / head_dim);
-  * depth is favoured over width for small models: among shapes that can hit the target we prefer
-    the one whose aspect ratio D/L is closest to 32 (e.g. 4x128, 8x256, 20x640), as MobileLLM found
-    deep-and-thin better at small scale;
-  * the MLP width F absorbs the remainder: F is solved for, rounded to a multiple of 8 and kept within
-    [2D, 4D] (the classic SwiGLU value is 8D/3), which makes the count land within a fraction of a
-    percent of the target across 100K-100M parameters.
-
-FLOPs per token (training, forward + backward), as in PaLM / nanoGPT:
-    6*N + 12*L*D*S     (S = sequence length; the attention score and value matmuls)
-The 6*N term counts the tied output projection (2*V*D per token forward) through the embedding's
-share of N; the lookup itself is free but the output matmul is not, so this is exact for tied weights.
+The code and the sizing rule are in slm/model/sizing.py.
 """
 
-from __future__ import annotations
+from slm.errors import SizingError
+from slm.model.sizing import (
+    ModelShape,
+    choose_shape,
+    count_params,
+    default_learning_rate,
+    default_vocab_size,
+    describe,
+    flops_per_token,
+    optimizer_state_bytes,
+    param_shapes,
+)
 
-import math
-from dataclasses import asdict, dataclass
-
-ASPECT = 32.0  # preferred width / depth ratio
-TOLERANCE = 0.05
-
-
-class SizingError(ValueError):
-    """A target that no shape can meet (e.g. the vocabulary alone is larger than the target)."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    vocab_size: int
-    n_layers: int
-    d_model: int
-    n_heads: int
-    d_ff: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def count_params(shape: ModelShape) -> int:
-    """Exact parameter count of model.Transformer for this shape."""
-    V, L, D, F = shape.vocab_size, shape.n_layers, shape.d_model, shape.d_ff
-    return V * D + L * (4 * D * D + 3 * D * F + 2 * D) + D
-
-
-def flops_per_token(shape: ModelShape, seq_len: int) -> int:
-    """Training FLOPs per token: 6N + 12*L*D*S (forward + backward, including attention)."""
-    return 6 * count_params(shape) + 12 * shape.n_layers * shape.d_model * seq_len
-
-
-def default_head_dim(d_model: int) -> int:
-    return 64 if d_model >= 512 and d_model % 64 == 0 else 32
-
-
-def default_vocab_size(target_params: int) -> int:
-    """Vocabulary for --vocab-size when none is given: keeps the embedding near 10-15% of N."""
-    for limit, vocab in ((500_000, 512), (3_000_000, 1024), (10_000_000, 2048), (30_000_000, 4096)):
-        if target_params < limit:
-            return vocab
-    return 8192
-
-
-def default_learning_rate(n_params: int) -> float:
-    """Peak AdamW learning rate for --learning-rate when none is given: 6e-4 * sqrt(125M / N), at most 1e-2.
-
-    GPT-3's 125M model used 6e-4; smaller models tolerate (and need, on a short budget) much larger
-    steps. Measured on tinyshakespeare at 0.8M params in 127 s: 1e-3 -> 2.57 bpb, 3e-3 -> 2.33, 6e-3 -> 2.27.
-    """
-    return min(1e-2, 6e-4 * (125e6 / n_params) ** 0.5)
-
-
-def _solve_d_ff(target: int, vocab: int, L: int, D: int) -> int:
-    rest = target - vocab * D - D - L * (4 * D * D + 2 * D)
-    return int(round(rest / (3 * D * L) / 8.0)) * 8
-
-
-def choose_shape(
-    target_params: int,
-    vocab_size: int,
-    n_layers: int | None = None,
-    d_model: int | None = None,
-    n_heads: int | None = None,
-) -> ModelShape:
-    """Choose (layers, width, heads, MLP width) whose exact count is within 5% of the target.
-
-    Explicit `n_layers` / `d_model` / `n_heads` are honoured; the rest is solved for.
-    Raises SizingError with a one-line reason when no shape fits.
-    """
-    if target_params <= 0:
-        raise SizingError("--target-params must be positive")
-    if vocab_size <= 0:
-        raise SizingError("--vocab-size must be positive")
-    if d_model is not None and n_heads is not None and d_model % n_heads:
-        raise SizingError(f"--d-model {d_model} is not divisible by --n-heads {n_heads}")
-    if d_model is not None and d_model % 2:
-        raise SizingError(f"--d-model {d_model}: must be even (rotary positions rotate pairs)")
-    if d_model is not None and n_heads is not None and (d_model // n_heads) % 2:
-        raise SizingError(f"--d-model {d_model} / --n-heads {n_heads} gives an odd head dim; choose an even one")
-
-    widths = [d_model] if d_model else list(range(32, 4097, 32))
-    depths = [n_layers] if n_layers else list(range(1, 65))
-    best: tuple[float, ModelShape] | None = None
-    for D in widths:
-        if vocab_size * D >= target_params:
-            break
-        for L in depths:
-            F = _solve_d_ff(target_params, vocab_size, L, D)
-            if not 2 * D <= F <= 4 * D:
-                if d_model and n_layers:  # fully pinned shape: keep the closest legal F
-                    F = min(max(F, 2 * D), 4 * D)
-                else:
-                    continue
-            heads = n_heads or max(1, D // default_head_dim(D))
-            if D % heads or (D // heads) % 2:  # rotary needs an even head dim
-                continue
-            shape = ModelShape(vocab_size, L, D, heads, F)
-            err = abs(count_params(shape) - target_params) / target_params
-            if err > TOLERANCE and not (d_model and n_layers):
-                continue
-            score = abs(math.log(D / L / ASPECT)) + abs(math.log(F / (8 * D / 3))) + 10 * err
-            if best is None or score < best[0]:
-                best = (score, shape)
-    if best is None and (n_heads or d_model):
-        raise SizingError(
-            f"no shape with --n-heads {n_heads} / --d-model {d_model} reaches --target-params {target_params:,} "
-            f"within 5% (head dim must be even and divide d_model); adjust them or drop one"
-        )
-    if best is None:
-        min_params = vocab_size * 32 + 4 * 32 * 32 + 3 * 32 * 64 + 3 * 32
-        raise SizingError(
-            f"--target-params {target_params:,} is too small for vocab {vocab_size:,} "
-            f"(the embedding alone needs {vocab_size * 32:,}+); use --target-params >= {min_params:,} "
-            f"or a smaller --vocab-size"
-        )
-    return best[1]
-
-
-def describe(shape: ModelShape, seq_len: int) -> str:
-    n = count_params(shape)
-    return (
-        f"{n / 1e6:.3f}M params: {shape.n_layers} layers x d_model {shape.d_model} "
-        f"({shape.n_heads} heads of {shape.head_dim}), d_ff {shape.d_ff}, vocab {shape.vocab_size}; "
-        f"embedding {shape.vocab_size * shape.d_model / n:.0%} of params; "
-        f"{flops_per_token(shape, seq_len) / 1e6:.1f} MFLOP/token"
-    )
-
-
-def param_shapes(shape: ModelShape) -> list[tuple[int, ...]]:
-    """The shape of every parameter array of model.Transformer (order not significant)."""
-    V, L, D, F = shape.vocab_size, shape.n_layers, shape.d_model, shape.d_ff
-    per_block = [(D, 3 * D), (D, D), (D, 2 * F), (F, D), (D,), (D,)]
-    return [(V, D)] + per_block * L + [(D,)]
-
-
-def optimizer_state_bytes(shape: ModelShape, use_8bit: bool = False, accumulation: int = 1,
-                          min_8bit_size: int = 4096, block: int = 256) -> int:
-    """Exact bytes of train_step.make_optimizer's state for this model (tests check it against nbytes).
-
-    float32 AdamW: m and v, 4 + 4 bytes per parameter. 8-bit (adam8bit.py): for each array of at least
-    `min_8bit_size` elements, 1 + 1 byte of codes per element and 4 + 4 bytes per `block` elements (the
-    scales; a partial last block counts whole), i.e. 2.03 bytes/param; smaller arrays stay float32.
-    Plus the parameter-sized float32 accumulator of optax.MultiSteps when accumulation > 1, and a few
-    scalars (step counts, the non-finite guard's flags).
-    """
-    total = 0
-    for s in param_shapes(shape):
-        n = math.prod(s)
-        total += 2 * n + 8 * -(-n // block) if use_8bit and n >= min_8bit_size else 8 * n
-    scalars = 4 + 1 + 4 + (4 + 4 if use_8bit else 4)  # apply_if_finite: 2 int32 + bool; Adam count (+ skipped)
-    if accumulation > 1:  # MultiSteps: acc_grads, mini_step, gradient_step, skip state
-        total += 4 * count_params(shape) + 4 + 4
-    return total + scalars
+__all__ = ["ModelShape", "SizingError", "choose_shape", "count_params", "default_learning_rate",
+           "default_vocab_size", "describe", "flops_per_token", "optimizer_state_bytes", "param_shapes"]

@@ -19,14 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r"""
 import os, sys, threading, time
-sys.path.insert(0, ROOT)
 import jax, numpy as np
-from devices import configure_cpu_devices, data_mesh, shardings
+from slm.train.devices import configure_cpu_devices, data_mesh, shardings
 configure_cpu_devices(2)
-from model import Transformer, init_params
-from model_sizing import ModelShape
-from train_step import init_state, make_optimizer, make_train_step
-from tokenizer_utils import train_bpe
+from slm.model.transformer import Transformer, init_params
+from slm.model.sizing import ModelShape
+from slm.optim.optimizer import make_optimizer
+from slm.train.step import init_state, make_train_step
+from slm.data.tokenizer import train_bpe
 
 shape = ModelShape(512, 4, 128, 4, 352)
 model, tx = Transformer(shape), make_optimizer()

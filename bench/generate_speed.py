@@ -1,4 +1,5 @@
-"""Generation speed: KV-cache decoding (generate.Decoder) vs the eval-time no-cache sampler (make_sampler).
+"""Generation speed: KV-cache decoding (slm.model.generate.Decoder) vs a sampler without a cache (make_sampler,
+defined here as the baseline: the trainer's eval-time sampler before it used the Decoder).
 
 Random-init models of ~1M and ~10M params (vocab 4096), one sequence, 256 new tokens after a one-token
 prompt, temperature 0.8 / top-k 40 in both. Compile time is excluded from both (each is warmed up first);
@@ -9,19 +10,31 @@ Run: .venv/bin/python bench/generate_speed.py [--targets 1000000 10000000] [--ne
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from generate import Decoder
-from model import Transformer, init_params
-from model_sizing import choose_shape, count_params
-from train_step import make_sampler
+from slm.model.generate import Decoder
+from slm.model.transformer import Transformer, init_params
+from slm.model.sizing import choose_shape, count_params
 
+
+def make_sampler(model, seq_len: int, temperature: float = 0.8, top_k: int = 40):
+    """jit(params, ids (1, seq_len), prompt_len, key): every new token reruns the whole fixed window."""
+    def sample(params, ids, prompt_len, key):
+        def body(pos, carry):
+            ids, key = carry
+            key, sub = jax.random.split(key)
+            logits = model.apply({"params": params}, ids)[0, pos - 1] / temperature
+            kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][-1]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+            return ids.at[0, pos].set(jax.random.categorical(sub, logits).astype(ids.dtype)), key
+
+        return jax.lax.fori_loop(prompt_len, seq_len, body, (ids, key))[0]
+
+    return jax.jit(sample)
 
 def cached_tokens_per_s(model, params, new_tokens: int, reps: int) -> float:
     decoder = Decoder(model)

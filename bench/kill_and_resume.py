@@ -70,8 +70,8 @@ def main() -> None:
     sa, sb = (json.load(open(os.path.join(p, "summary.json"))) for p in (ref, run))
     la, lb = losses(ref), losses(run)
     worst = max(abs(la[s] - lb[s]) for s in la)
-    print(f"| run | steps | data digest (sha256 of every batch, chained) | eval loss |")
-    print(f"|---|---|---|---|")
+    print("| run | steps | data digest (sha256 of every batch, chained) | eval loss |")
+    print("|---|---|---|---|")
     for name, s in (("uninterrupted", sa), (f"killed {a.kills}x and resumed", sb)):
         print(f"| {name} | {s['steps']} | `{s['data_digest'][:16]}…` | {s['eval_loss']:.6f} |")
     print(f"digests equal: {sa['data_digest'] == sb['data_digest']}; per-step losses: {len(la)} steps, "

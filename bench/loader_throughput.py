@@ -19,11 +19,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from hf_dataset_loader import ListSource, LocalFiles, read_file  # noqa: E402
-from streaming_data_loader import StreamingDataLoader  # noqa: E402
-from tokenizer_utils import train_bpe  # noqa: E402
+from slm.data.readers import read_file  # noqa: E402
+from slm.data.sources import ListSource, LocalFiles  # noqa: E402
+from slm.data.stream import StreamingDataLoader  # noqa: E402
+from slm.data.tokenizer import train_bpe  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
 FILES = ["tinystories_train.txt", "tinyshakespeare.txt"]

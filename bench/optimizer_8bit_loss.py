@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 
-import adam8bit  # noqa: E402
+import slm.optim.adam8bit as adam8bit  # noqa: E402
+import slm.optim.optimizer as optimizer  # noqa: E402
 from train_optimized import Config, train  # noqa: E402
 
 DATA = os.path.join(ROOT, "..", "shared", "data")
@@ -61,12 +60,12 @@ def main() -> None:
     if "8bit" in arms:
         results["8-bit"] = [run("8-bit", s, True) for s in seeds]
     if "stable-embedding" in arms:  # the reference keeps the embedding's state in fp32: does this model need it?
-        plain = adam8bit.scale_by_adam_8bit
-        adam8bit.scale_by_adam_8bit = functools.partial(plain, keep_fp32=lambda path, p: "embed" in jax.tree_util.keystr(path))
+        plain = optimizer.scale_by_adam_8bit  # the trainer's optimizer chain takes it from there
+        optimizer.scale_by_adam_8bit = functools.partial(plain, keep_fp32=lambda path, p: "embed" in jax.tree_util.keystr(path))
         try:
             results["8-bit, fp32 embedding state"] = [run("8-bit, fp32 embedding state", s, True) for s in seeds]
         finally:
-            adam8bit.scale_by_adam_8bit = plain
+            optimizer.scale_by_adam_8bit = plain
     if "linear" in arms:
         signed_dynamic = adam8bit.dynamic_map
         adam8bit.dynamic_map = lambda signed, zero_free=False: adam8bit.linear_map(signed)  # negative control

@@ -5,19 +5,17 @@ jitted lax.scan) is what the loop itself costs: dispatch, argument handling, don
 Run: .venv/bin/python bench/step_overhead.py
 """
 
-import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import Transformer, init_params
-from model_sizing import ModelShape, count_params
-from train_step import init_state, lr_at, make_optimizer, make_train_step
+from slm.model.transformer import Transformer, init_params
+from slm.model.sizing import ModelShape, count_params
+from slm.optim.optimizer import make_optimizer
+from slm.optim.schedule import lr_at
+from slm.train.step import init_state, make_train_step
 
 
 def best_of(fn, reps=5):

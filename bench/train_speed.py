@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 NANOGPT_GFLOPS = 64.0
 DATA = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare_train.txt")
@@ -48,16 +46,17 @@ args = parse_args()
 
 import jax  # noqa: E402
 
-from devices import configure_cpu_devices, data_mesh, needs_step_sync, shardings  # noqa: E402
+from slm.train.devices import configure_cpu_devices, data_mesh, needs_step_sync, shardings  # noqa: E402
 
 configure_cpu_devices(args.cpu_devices)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from model import Transformer, init_params  # noqa: E402
-from model_sizing import ModelShape, choose_shape, count_params, flops_per_token  # noqa: E402
-from run_metrics import measure_matmul_flops  # noqa: E402
-from train_step import init_state, make_optimizer, make_train_step  # noqa: E402
+from slm.model.transformer import Transformer, init_params  # noqa: E402
+from slm.model.sizing import ModelShape, choose_shape, count_params, flops_per_token  # noqa: E402
+from slm.train.throughput import measure_matmul_flops  # noqa: E402
+from slm.optim.optimizer import make_optimizer  # noqa: E402
+from slm.train.step import init_state, make_train_step  # noqa: E402
 
 
 def build(shape: ModelShape, seq_len: int, dtype, mesh):
@@ -121,7 +120,7 @@ def bench_shape(label, shape, seq_len, batch_size, tokenizer, peak, max_devices=
 
     stream = None
     if tokenizer is not None:
-        from streaming_data_loader import StreamingDataLoader
+        from slm.data.stream import StreamingDataLoader
 
         loader = StreamingDataLoader(args.data, tokenizer, seq_len=seq_len, batch_size=batch_size, prefetch=2)
         stream = loader_stream(loader)
@@ -163,8 +162,8 @@ def main() -> None:
         make_shape, vocab, seq_len, batch_size = configs[label]
         tokenizer = None
         if not args.no_loader:
-            from hf_dataset_loader import read_file
-            from tokenizer_utils import train_bpe
+            from slm.data.readers import read_file
+            from slm.data.tokenizer import train_bpe
 
             tokenizer = train_bpe(read_file(args.data), vocab)
             vocab = tokenizer.get_vocab_size()

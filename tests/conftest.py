@@ -1,11 +1,7 @@
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-sys.path.insert(0, str(ROOT))
+from helpers import DATA
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +11,24 @@ def data_dir() -> Path:
 
 
 def pytest_configure(config) -> None:
-    # Heavier end-to-end tests (multi-run loss comparisons, real-process kills). CI runs everything;
-    # `-m "not slow"` gives a quick local pass.
-    config.addinivalue_line("markers", "slow: end-to-end tests of 30 s or more on 2 cores")
+    # One XLA compilation cache for the whole session (fresh each session, never the user's ~/.cache): runs
+    # of the same shapes in different tests and subprocesses load the compiled step instead of compiling it.
+    import os
+    import tempfile
+
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        config.xla_cache = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="slm-test-xla-")
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the small programs too
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    # The end-to-end tests marked slow first: with `-n 2` (pytest-xdist) they start at once and the quick
+    # tests fill the other worker, instead of one long test running alone at the end.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_unconfigure(config) -> None:
+    import shutil
+
+    if getattr(config, "xla_cache", None):
+        shutil.rmtree(config.xla_cache, ignore_errors=True)

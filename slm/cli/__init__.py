@@ -1,0 +1,1 @@
+"""Command-line entry points: flags and config files, train, generate and export."""

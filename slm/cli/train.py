@@ -1,0 +1,23 @@
+"""`python train_optimized.py --use-streaming [flags]` (or `slm-train`): parse the flags, train, exit 0 or 2."""
+
+from __future__ import annotations
+
+import time
+
+_PROCESS_START = time.time()  # --max-time counts from here when run as a script
+
+from slm.cli.common import run_main  # noqa: E402
+from slm.cli.flags import parse_flags  # noqa: E402
+from slm.train.config import Config  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body() -> None:
+        values, explicit, notes = parse_flags(argv)
+        for note in notes:
+            print(note)
+        from slm.train.run import train  # jax and the rest only once the flags are known to be good
+
+        train(Config(**values), start_time=_PROCESS_START, explicit=explicit)
+
+    return run_main(body)

@@ -1,0 +1,72 @@
+"""The held-out set: the first documents of a stream kept out of training, or a separate source, packed for eval.
+
+Packed with no overlap, every token after the first scored once; the padded tail of the last row is
+masked. No jax here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from slm.data.packing import encode_documents, pack_rows
+from slm.data.sources import TextSource
+from slm.data.tokenizer import eot_id, token_byte_lengths
+from slm.errors import DatasetError
+
+
+def held_out_split(source: TextSource, chars: int) -> tuple[list[str], bool]:
+    """The first documents of the stream totalling >= `chars` characters, and whether any are left after them."""
+    docs, total = [], 0
+    stream = source.documents()
+    for doc in stream:
+        docs.append(doc)
+        total += len(doc)
+        if total >= chars:
+            break
+    return docs, next(stream, None) is not None
+
+
+@dataclass
+class EvalSet:
+    """Packed held-out rows: inputs/targets (N, L), a mask for the padded tail, bytes per row."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    mask: np.ndarray
+    n_bytes: int
+    name: str
+
+
+def build_eval_set(docs: Iterable[str], tokenizer, seq_len: int, max_tokens: int | None, name: str) -> EvalSet:
+    """Pack `docs` (at most `max_tokens` scored tokens when given) into eval rows; bytes for bits/byte."""
+    eot = eot_id(tokenizer)
+    parts, n = [], 0
+    batch: list[str] = []
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) == 256:
+            parts.append(encode_documents(tokenizer, batch, eot))
+            n += len(parts[-1])
+            batch = []
+            if max_tokens and n > max_tokens:
+                break
+    if batch:
+        parts.append(encode_documents(tokenizer, batch, eot))
+    if not parts:
+        raise DatasetError(f"{name}: the held-out set is empty; pass --eval-dataset-id or more data")
+    # Score tokens 1..n (every token after the first, which has no context), packed with no overlap.
+    tokens = np.concatenate([[eot], np.concatenate(parts)]).astype(np.int32)
+    if max_tokens:
+        tokens = tokens[: max_tokens + 1]
+    n_targets = len(tokens) - 1
+    n_rows = math.ceil(n_targets / seq_len)
+    padded = np.full(n_rows * seq_len + 1, eot, np.int32)
+    padded[: len(tokens)] = tokens
+    rows, _ = pack_rows(padded, seq_len, seq_len)
+    mask = (np.arange(n_rows * seq_len) < n_targets).reshape(n_rows, seq_len).astype(np.float32)
+    n_bytes = int(token_byte_lengths(tokenizer)[tokens[1:]].sum())
+    return EvalSet(rows[:, :-1], rows[:, 1:], mask, n_bytes, name)

@@ -1,0 +1,270 @@
+"""Readers of local files: one document at a time, never a whole file in memory (except a `.json` array).
+
+    .txt              documents separated by `<|endoftext|>` when the file contains it, else by blank
+                      lines; newlines inside a document are kept. Memory: one document + one read chunk.
+    .jsonl / .json    one JSON object per line (or a JSON array); the text column is auto-detected.
+    .parquet / .csv   read in record batches; the text column is auto-detected.
+
+Hostile input: invalid UTF-8 is replaced by U+FFFD (counted per file in `REPLACED_BYTES`, warned once
+per file); empty or whitespace-only documents are skipped; anything unreadable (a malformed JSON line,
+a missing text column, a corrupt Parquet file, an unreadable file) is a one-line DatasetError naming
+the file (and line, for JSON Lines).
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import json
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+
+from slm.errors import DatasetError, first_line
+
+TEXT_COLUMNS = ("text", "content", "story", "document", "body", "sentence")
+LOCAL_EXTENSIONS = (".txt", ".text", ".md", ".jsonl", ".json", ".parquet", ".csv")
+EOT_TEXT = "<|endoftext|>"
+_BLANK_LINES = re.compile(r"\n[ \t\r]*\n")
+
+_log = logging.getLogger(__name__)
+
+# Invalid UTF-8 bytes replaced by U+FFFD, per file path, in the latest complete read of that file.
+# A genuine U+FFFD in the file is not counted: the count comes from the decoder's error handler.
+REPLACED_BYTES: dict[str, int] = {}
+_warned_replaced: set[str] = set()
+_decode_errors = threading.local()  # the handler has no idea which file it decodes: count per thread
+
+
+def _replace_and_count(e: UnicodeError) -> tuple[str, int]:
+    """Like errors="replace" (one U+FFFD per invalid sequence) but counts the invalid bytes."""
+    _decode_errors.n = getattr(_decode_errors, "n", 0) + (e.end - e.start)
+    return "\ufffd", e.end
+
+
+_REPLACE = "slm.data.replace_and_count"
+codecs.register_error(_REPLACE, _replace_and_count)
+
+
+def _counting_replacements(path: str, items: Iterator) -> Iterator:
+    """Yield from `items` (whose decoding uses _REPLACE), attributing replaced bytes to `path`.
+
+    The count is taken around each next(): decoding happens inside it, on this thread, so readers of
+    other files interleaved on the same thread do not mix their counts.
+    """
+    replaced = 0
+    while True:
+        before = getattr(_decode_errors, "n", 0)
+        try:
+            item = next(items)
+        except StopIteration:
+            break
+        finally:
+            replaced += getattr(_decode_errors, "n", 0) - before
+        yield item
+    REPLACED_BYTES[path] = replaced
+    if replaced and path not in _warned_replaced:  # once per file, not once per epoch
+        _warned_replaced.add(path)
+        _log.warning("[data] %s: %d bytes of invalid UTF-8 replaced by U+FFFD", path, replaced)
+
+
+def pick_text_column(columns: list[str], wanted: str | None, where: str, sample: dict | None = None) -> str:
+    if wanted:
+        if wanted not in columns:
+            raise DatasetError(f"--text-column {wanted}: {where} has no such column; columns are {columns}")
+        return wanted
+    for c in TEXT_COLUMNS:
+        if c in columns:
+            return c
+    if sample is not None:
+        strings = [c for c in columns if isinstance(sample.get(c), str)]
+        if len(strings) == 1:
+            return strings[0]
+    raise DatasetError(f"{where}: cannot tell which column holds the text; pass --text-column, one of {columns}")
+
+
+def read_file(path: str, text_column: str | None = None) -> Iterator[str]:
+    """The documents of one local file; any problem with the file is a DatasetError naming it."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext in (".jsonl", ".json"):
+        docs = _read_json(path, text_column)
+    elif ext == ".parquet":
+        docs = _read_parquet(path, text_column)
+    elif ext == ".csv":
+        docs = _read_csv(path, text_column)
+    else:
+        docs = _read_txt(path)
+    return _os_errors_named(path, _counting_replacements(path, docs))
+
+
+def _os_errors_named(path: str, docs: Iterator[str]) -> Iterator[str]:
+    # A file that vanishes or is unreadable mid-run: one line naming it, not a traceback.
+    try:
+        yield from docs
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read it ({e.strerror or type(e).__name__}); check the file and its permissions")
+
+
+def _file_contains(path: str, needle: bytes, chunk: int = 1 << 20) -> bool:
+    with open(path, "rb") as f:
+        tail = b""
+        while block := f.read(chunk):
+            if needle in tail + block:
+                return True
+            tail = block[-len(needle) :]
+    return False
+
+
+def _blank_tail(text: str, prev: int) -> int:
+    """Length of the end of the pending text that may start a blank-line separator.
+
+    That is a newline followed only by spaces/tabs/CRs up to the end; `text` is the newly appended
+    piece and `prev` the previous such length (0 when none).
+    """
+    j = text.rfind("\n")
+    if j < 0:  # no newline in the new piece: the old tail goes on only if the piece is all blank
+        return prev + len(text) if prev and not text.strip(" \t\r") else 0
+    return len(text) - j if not text[j + 1 :].strip(" \t\r") else 0
+
+
+def _read_txt(path: str, chunk_bytes: int = 1 << 20) -> Iterator[str]:
+    """Documents of a text file, split on `<|endoftext|>` if the file has one, else on blank lines.
+
+    Invalid UTF-8 is decoded with replacement characters (one U+FFFD per invalid sequence); the
+    number of replaced bytes is in REPLACED_BYTES[path] after a full read (see read_file).
+
+    Linear time, memory ~ one document + one chunk, even for a huge document without separators:
+    each chunk is scanned once, plus only the short end of the pending document that could begin
+    a separator (the last len(EOT)-1 characters, or a trailing newline + blanks, scanned as "\n").
+    The result equals splitting the whole file's text at once.
+    """
+    separator = EOT_TEXT if _file_contains(path, EOT_TEXT.encode()) else None
+    decoder = codecs.getincrementaldecoder("utf-8")(errors=_REPLACE)
+    pending: list[str] = []  # pieces of the document not yet ended by a separator
+    pending_len = 0
+    tail = 0  # length of the end of `pending` that may begin a separator (see _blank_tail)
+    eot_tail = ""  # with a separator: the last len(separator)-1 characters of `pending`, kept as text
+
+    def finish(doc: str) -> Iterator[str]:
+        doc = doc.strip("\r\n")
+        if doc and not doc.isspace():  # == doc.strip() != "", without copying a huge document
+            yield doc
+
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk_bytes)
+            text = decoder.decode(block, final=not block)
+            if separator:
+                prefix = eot_tail
+                parts = (prefix + text).split(separator)
+            else:
+                prefix = "\n" if tail else ""  # a newline + blanks scans the same as "\n" alone
+                parts = _BLANK_LINES.split(prefix + text)
+            if len(parts) == 1:
+                pending.append(text)
+                pending_len += len(text)
+                if separator:
+                    eot_tail = (eot_tail + text[-(len(separator) - 1) :])[-(len(separator) - 1) :]
+                    tail = len(eot_tail)
+                else:
+                    tail = _blank_tail(text, tail)
+            else:
+                head = parts[0]
+                if len(head) < len(prefix):  # the separator began inside the pending tail
+                    first = "".join(pending)[: pending_len - tail + len(head)]
+                else:
+                    first = "".join(pending) + head[len(prefix) :]
+                last = parts[-1]
+                pending, pending_len = [last], len(last)
+                if separator:
+                    eot_tail = last[-(len(separator) - 1) :]
+                    tail = len(eot_tail)
+                else:
+                    tail = _blank_tail(last, 0)
+                yield from finish(first)
+                del first
+                for doc in parts[1:-1]:
+                    yield from finish(doc)
+            if not block:
+                yield from finish("".join(pending))
+                return
+
+
+def row_texts(rows: Iterable, text_column: str | None, where: str) -> Iterator[str]:
+    """Non-blank strings of the text column of dict rows; the column is picked on the first row.
+
+    Rows whose text is missing, not a string, or blank are skipped (they are not documents).
+    """
+    column = None
+    for row in rows:
+        if not isinstance(row, dict):
+            raise DatasetError(f"{where}: expected a JSON object per row, got {type(row).__name__}")
+        if column is None:
+            column = pick_text_column(list(row), text_column, where, row)
+        text = row.get(column)
+        if isinstance(text, str) and text.strip():
+            yield text
+
+
+def _read_json(path: str, text_column: str | None) -> Iterator[str]:
+    with open(path, "rb") as f:
+        head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
+    if head[:1] == b"[":  # a JSON array: cannot be streamed with the standard library
+        with open(path, encoding="utf-8-sig", errors=_REPLACE) as f:  # -sig: drop a byte-order mark
+            try:
+                rows = json.load(f)
+            except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, huge ints
+                msg = getattr(e, "msg", None) or type(e).__name__
+                raise DatasetError(f"{path}: invalid JSON ({msg}); fix the file or convert it to JSON Lines")
+        yield from row_texts(rows, text_column, path)
+        return
+    yield from row_texts(_jsonl_rows(path), text_column, path)
+
+
+def _jsonl_rows(path: str) -> Iterator:
+    with open(path, encoding="utf-8-sig", errors=_REPLACE) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            # ValueError covers JSONDecodeError and over-long integers; RecursionError deep nesting.
+            except (ValueError, RecursionError) as e:
+                msg = getattr(e, "msg", None) or type(e).__name__
+                raise DatasetError(f"{path}:{lineno}: malformed JSON line ({msg}); fix or remove that line")
+
+
+def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise DatasetError(f"{path}: not a readable Parquet file ({first_line(e, 120)})")
+    names = pf.schema_arrow.names
+    strings = [n for n in names if str(pf.schema_arrow.field(n).type) in ("string", "large_string")]
+    column = pick_text_column(names, text_column, path, {n: "" for n in strings})
+    batches = pf.iter_batches(columns=[column], batch_size=1024)
+    while True:
+        try:  # a truncated or corrupt data page only shows when its batch is read
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise DatasetError(f"{path}: corrupt Parquet data ({first_line(e, 120)}); re-export the file")
+        for text in batch.column(0).to_pylist():
+            if isinstance(text, str) and text.strip():
+                yield text
+
+
+def _read_csv(path: str, text_column: str | None) -> Iterator[str]:
+    csv.field_size_limit(sys.maxsize)
+    with open(path, encoding="utf-8-sig", errors=_REPLACE, newline="") as f:  # a BOM would rename column 1
+        reader = csv.DictReader(f)
+        try:
+            yield from row_texts(reader, text_column, path)
+        except csv.Error as e:
+            raise DatasetError(f"{path}:{reader.line_num}: malformed CSV ({e}); fix or remove that line")

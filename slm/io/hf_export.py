@@ -1,0 +1,205 @@
+"""Write a model as a Hugging Face LlamaForCausalLM folder (`python export_hf.py --run RUN_DIR --out OUT_DIR`).
+
+The folder loads offline with `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` and
+`AutoTokenizer.from_pretrained(OUT_DIR)` and gives this model's float32 logits (to float rounding) and
+this run's token ids. It holds config.json, model.safetensors, generation_config.json, tokenizer.json
+(the run's, copied) and tokenizer_config.json. Pure numpy: no torch or transformers import here.
+
+Why Llama. slm.model.transformer.Transformer is exactly a Llama block stack with one key/value head per query head:
+pre-norm RMSNorm (eps 1e-6, computed in float32), rotary positions with base 10000 on (first half,
+second half) pairs, attention scaled by 1/sqrt(head_dim), a SwiGLU MLP (silu(gate) * up), no biases,
+a final RMSNorm and the embedding reused as the output head. The checks behind "exactly"
+(transformers 5.x, models/llama/modeling_llama.py):
+  * RoPE: HF's `rotate_half(x) = [-x2, x1]` over the two halves of each head and
+    `x*cos + rotate_half(x)*sin` with cos = [cos, cos], sin = [sin, sin] give
+    [x1 cos - x2 sin, x2 cos + x1 sin], which is `rotary` (x*[cos, cos] + [x2, x1]*[-sin, sin]);
+    both take inv_freq = 1 / base^(arange(0, K, 2)/K) and angle = position * inv_freq in float32.
+    HF views q_proj's output as (heads, head_dim) in head-major order, as our reshape to (3H, K) does,
+    so no permutation of rows is needed (unlike Meta's interleaved-pair checkpoints).
+  * Attention: scaling = head_dim**-0.5, causal mask, float32 softmax; num_key_value_heads = heads.
+  * RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) in float32, as ours (ours multiplies the scale
+    before casting back to the compute dtype; in float32 that is the same arithmetic).
+
+Name and layout mapping (ours -> HF). A Flax Dense kernel is (in, out) and is applied as x @ kernel; a
+torch nn.Linear weight is (out, in) and is applied as x @ weight.T, so every kernel is transposed.
+The fused kernels are split along their output axis, in the order the model splits its activations:
+    embed (V, D)                        -> model.embed_tokens.weight (V, D)    (no transpose: a table)
+    block_i/attn_norm/scale (D,)        -> model.layers.i.input_layernorm.weight
+    block_i/attn/qkv/kernel (D, 3D)     -> [:, 0:D].T   model.layers.i.self_attn.q_proj.weight (D, D)
+                                           [:, D:2D].T  model.layers.i.self_attn.k_proj.weight
+                                           [:, 2D:3D].T model.layers.i.self_attn.v_proj.weight
+       (the (B, L, 3D) activation is reshaped to (B, L, 3H, K) and split in three on the head axis, so
+        columns 0:D are the H query heads, D:2D the keys, 2D:3D the values, each head's K columns
+        contiguous: the same head-major layout HF's view(..., H, K) expects)
+    block_i/attn/o/kernel (D, D)        -> .T  model.layers.i.self_attn.o_proj.weight
+    block_i/mlp_norm/scale (D,)         -> model.layers.i.post_attention_layernorm.weight
+    block_i/mlp/gate_up/kernel (D, 2F)  -> [:, :F].T  model.layers.i.mlp.gate_proj.weight (F, D)
+                                           [:, F:].T  model.layers.i.mlp.up_proj.weight
+    block_i/mlp/down/kernel (F, D)      -> .T  model.layers.i.mlp.down_proj.weight (D, F)
+    final_norm/scale (D,)               -> model.norm.weight
+The output head is tied: config.json says tie_word_embeddings true and model.safetensors has no
+lm_head.weight. LlamaForCausalLM declares `_tied_weights_keys = {"lm_head.weight":
+"model.embed_tokens.weight"}`, so transformers ties it on load without a missing-key report, and
+`save_pretrained` itself writes tied checkpoints this way.
+
+Tokens. The tokenizer is the run's tokenizer.json unchanged, loaded through PreTrainedTokenizerFast
+(TokenizersBackend in transformers 5), so `AutoTokenizer(text)` gives the ids training got from
+`tokenizer.encode(text, add_special_tokens=False)`: no add_bos_token is set and the tokenizer's own
+post-processor is kept (a run's trained BPE has none, so nothing is prepended; a --tokenizer with a
+BOS template would add it on the HF side only). The class is named so AutoTokenizer does not choose one
+by model_type: for llama that is LlamaTokenizer, which prepends a BOS by default in transformers 4.x and
+hard-codes a Metaspace pre-tokenizer in 5.x (5.23 notices a ByteLevel tokenizer.json and falls back to
+TokenizersBackend, but that is a heuristic). bos and eos are both the end-of-text token: training puts
+it between documents, so a document starts after it (generate.py prepends it to every prompt; do the
+same with the exported model to show it a prompt as training did).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from slm.data.tokenizer import eot_id
+from slm.errors import ExportError
+from slm.model.sizing import ModelShape
+
+WEIGHTS = "model.safetensors"
+ROPE_THETA = 10000.0  # model.rotary's base
+RMS_NORM_EPS = 1e-6  # model.RMSNorm's eps
+
+
+# --- weights and config (pure numpy / dicts) ---------------------------------------------------------
+
+
+def _f32(x: Any) -> np.ndarray:
+    """A C-contiguous float32 copy (safetensors writes raw bytes, so a transposed view must be copied)."""
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+
+
+def hf_state_dict(params: Mapping[str, Any], shape: ModelShape) -> dict[str, np.ndarray]:
+    """model.Transformer params -> LlamaForCausalLM tensor names and (out, in) layouts (module docstring)."""
+    D, F = shape.d_model, shape.d_ff
+    embed = _f32(params["embed"])
+    if embed.shape != (shape.vocab_size, D):
+        raise ExportError(f"embed is {embed.shape}, the run's shape says ({shape.vocab_size}, {D})")
+    out = {"model.embed_tokens.weight": embed, "model.norm.weight": _f32(params["final_norm"]["scale"])}
+    for i in range(shape.n_layers):
+        block, pre = params[f"block_{i}"], f"model.layers.{i}"
+        qkv_Dx3D = np.asarray(block["attn"]["qkv"]["kernel"], dtype=np.float32)
+        gate_up_Dx2F = np.asarray(block["mlp"]["gate_up"]["kernel"], dtype=np.float32)
+        if qkv_Dx3D.shape != (D, 3 * D) or gate_up_Dx2F.shape != (D, 2 * F):
+            raise ExportError(f"block_{i}: qkv {qkv_Dx3D.shape} / gate_up {gate_up_Dx2F.shape} do not match "
+                              f"d_model {D}, d_ff {F}")
+        out[f"{pre}.input_layernorm.weight"] = _f32(block["attn_norm"]["scale"])
+        out[f"{pre}.self_attn.q_proj.weight"] = _f32(qkv_Dx3D[:, 0:D].T)
+        out[f"{pre}.self_attn.k_proj.weight"] = _f32(qkv_Dx3D[:, D:2 * D].T)
+        out[f"{pre}.self_attn.v_proj.weight"] = _f32(qkv_Dx3D[:, 2 * D:3 * D].T)
+        out[f"{pre}.self_attn.o_proj.weight"] = _f32(np.asarray(block["attn"]["o"]["kernel"]).T)
+        out[f"{pre}.post_attention_layernorm.weight"] = _f32(block["mlp_norm"]["scale"])
+        out[f"{pre}.mlp.gate_proj.weight"] = _f32(gate_up_Dx2F[:, :F].T)
+        out[f"{pre}.mlp.up_proj.weight"] = _f32(gate_up_Dx2F[:, F:].T)
+        out[f"{pre}.mlp.down_proj.weight"] = _f32(np.asarray(block["mlp"]["down"]["kernel"]).T)
+    return out
+
+
+def hf_config(shape: ModelShape, max_positions: int, eot: int) -> dict:
+    """config.json for LlamaForCausalLM.
+
+    transformers 5.x spells RoPE as `rope_parameters: {rope_type, rope_theta}` and the dtype as `dtype`;
+    4.x reads top-level `rope_theta` and `torch_dtype`. Both spellings are written: 5.x folds a top-level
+    rope_theta into rope_parameters (keeping rope_parameters' own value) and takes torch_dtype silently
+    when dtype is set, and 4.x ignores the keys it does not know.
+    """
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.d_model,
+        "intermediate_size": shape.d_ff,
+        "num_hidden_layers": shape.n_layers,
+        "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(max_positions),
+        "rms_norm_eps": RMS_NORM_EPS,
+        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "rope_theta": ROPE_THETA,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": True,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "pad_token_id": None,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "dtype": "float32",
+        "torch_dtype": "float32",
+    }
+
+
+def generation_config(eot: int) -> dict:
+    """Stop at end-of-text; pad with it too (no separate pad token), so generate() does not warn."""
+    return {"_from_model_config": False, "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}
+
+
+def tokenizer_config(eot_token: str, max_positions: int) -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": eot_token,
+        "eos_token": eot_token,
+        "model_max_length": int(max_positions),
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def write_export(out_dir: str, params: Mapping[str, Any], shape: ModelShape, max_positions: int,
+                 tokenizer: Any | None = None, eot: int | None = None, tokenizer_file: str | None = None,
+                 metadata: Mapping[str, str] | None = None) -> list[str]:
+    """Write the HF folder; returns the file names written.
+
+    `tokenizer` (a tokenizers.Tokenizer) is optional so a bare model can be exported in tests; without
+    it `eot` must be given and no tokenizer files are written. `tokenizer_file`, the tokenizer.json it
+    was loaded from, is copied byte for byte when given (else the tokenizer is serialized).
+    """
+    from safetensors.numpy import save_file
+
+    if tokenizer is not None:
+        eot = eot_id(tokenizer)
+        if tokenizer.get_vocab_size() > shape.vocab_size:
+            raise ExportError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
+                              f"vocab_size {shape.vocab_size}")
+    if eot is None:
+        raise ExportError("no end-of-text id: pass a tokenizer or eot")
+    tensors = hf_state_dict(params, shape)
+    os.makedirs(out_dir, exist_ok=True)
+    weights = os.path.join(out_dir, WEIGHTS)
+    save_file(tensors, weights, metadata={"format": "pt", **(metadata or {})})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)  # save_file creates it 0600 (a temp file); make it like the others
+    _write_json(os.path.join(out_dir, "config.json"), hf_config(shape, max_positions, eot))
+    _write_json(os.path.join(out_dir, "generation_config.json"), generation_config(eot))
+    written = ["config.json", WEIGHTS, "generation_config.json"]
+    if tokenizer is not None:
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, os.path.join(out_dir, "tokenizer.json"))
+        else:
+            tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+        _write_json(os.path.join(out_dir, "tokenizer_config.json"),
+                    tokenizer_config(tokenizer.id_to_token(eot), max_positions))
+        written += ["tokenizer.json", "tokenizer_config.json"]
+    return written

@@ -1,0 +1,260 @@
+"""Whole-run memory arithmetic: what a training run will hold, per device and in host RSS. Pure Python, no jax.
+
+`estimate_memory_usage` (also importable from streaming_data_loader, where the seed guide put it) is the
+notebook entry point; `fit_candidates` is what --auto-fit ranks.
+
+Per device (bytes; N = parameters, Bd = micro-batch per device, S = seq len, L/D/F/H/V = layers, width,
+MLP width, heads, vocab; see slm/model/sizing.py):
+
+    params        4N                      float32 master weights (also under mixed precision)
+    gradients     4N                      float32, a temporary of the step
+    optimizer     8N  float32 AdamW m, v  | ~2.03N with 8-bit state (model_sizing.optimizer_state_bytes)
+    accumulation  4N  when accumulating   optax.MultiSteps' float32 gradient sum
+    activations   Bd*S*L*(a*D + b*F + c*H*S)   what the backward pass keeps, incl. attention scores
+    logits        Bd*S*V*e                     logits, softmax and their gradient
+    device total  the sum: the compiled step's peak (arguments + outputs + temporaries - donated)
+
+With FSDP over n devices (`fsdp=True`) params, optimizer state and accumulation are divided by n, and
+`gathered` (4N) is added: XLA:CPU all-gathers the full weights for the step, and the gradients stay
+full-size before their reduce-scatter (bench/sharding.py: 10M params on 8 devices, 237 MB/device
+compiled vs 259 predicted, +9%; DP 300 vs 321, +7%).
+
+The coefficients a, b, c, e (bytes) are fitted to XLA's memory analysis of this trainer's compiled step
+(jax 0.10.2, XLA:CPU; one device: 48 configurations, 4 shapes x 3 batch/seq x remat x bf16, worst error
+3.7%; two devices (the step partitioned over a mesh): 64 configurations, worst error 4.1%):
+XLA's CPU scheduler keeps most activations live even with remat, so gradient checkpointing saves only
+5-12% on CPU. Other backends and versions differ; the trainer's pre-flight compiles the real step and
+reads XLA's own figure, and bench/memory_accuracy.py measures these formulas against it.
+
+Host RSS = framework (the Python + JAX/XLA runtime, compiled programs; measured) + data pipeline
+(estimate_memory_usage's data side) + on CPU, every host device's total (device memory *is*
+host memory there; parameters and state are replicated on each).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from slm.errors import ConfigError
+from slm.model.sizing import ModelShape, choose_shape, count_params, default_vocab_size, optimizer_state_bytes
+
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ActivationCoefficients:
+    """Bytes per token per layer per unit of D, F and H*S, and per token per vocab entry."""
+
+    a: float
+    b: float
+    c: float
+    e: float
+
+
+# Fitted on XLA:CPU (jax 0.10.2) by relative least squares; keys: (remat, mixed_precision, partitioned).
+# A step partitioned over several devices keeps fewer attention bytes per token than a one-device step.
+COEFFICIENTS = {
+    (False, False, False): ActivationCoefficients(3.29, 29.04, 12.47, 11.45),
+    (False, True, False): ActivationCoefficients(35.12, 14.68, 12.03, 8.40),
+    (True, False, False): ActivationCoefficients(1.98, 25.50, 12.47, 11.48),
+    (True, True, False): ActivationCoefficients(41.79, 13.19, 11.75, 7.50),
+    (False, False, True): ActivationCoefficients(11.94, 26.03, 8.29, 12.45),
+    (False, True, True): ActivationCoefficients(39.16, 12.77, 7.84, 9.96),
+    (True, False, True): ActivationCoefficients(10.94, 22.37, 8.29, 12.49),
+    (True, True, True): ActivationCoefficients(49.57, 10.24, 7.60, 8.52),
+}
+FRAMEWORK_MB = 560.0  # RSS of the trainer's process before its first step's buffers (measured here)
+
+
+def device_breakdown(
+    shape: ModelShape,
+    seq_len: int,
+    micro_batch: int,
+    *,
+    mixed_precision: bool = False,
+    gradient_checkpointing: bool = False,
+    use_8bit_optimizer: bool = False,
+    gradient_accumulation_steps: int = 1,
+    devices: int = 1,
+    fsdp: bool = False,
+) -> dict[str, int]:
+    """Bytes per device for one replica of the train step (micro_batch = sequences on this device)."""
+    n = count_params(shape)
+    k = COEFFICIENTS[(bool(gradient_checkpointing), bool(mixed_precision), devices > 1)]
+    L, D, F, H, V = shape.n_layers, shape.d_model, shape.d_ff, shape.n_heads, shape.vocab_size
+    tokens = micro_batch * seq_len
+    accumulation = 4 * n + 8 if gradient_accumulation_steps > 1 else 0
+    out = {
+        "params": 4 * n,
+        "gradients": 4 * n,
+        "optimizer_state": optimizer_state_bytes(shape, use_8bit_optimizer, gradient_accumulation_steps) - accumulation,
+        "accumulation": accumulation,
+        "activations": int(tokens * L * (k.a * D + k.b * F + k.c * H * seq_len)),
+        "logits": int(tokens * V * k.e),
+    }
+    if fsdp and devices > 1:
+        for key in ("params", "optimizer_state", "accumulation"):
+            out[key] //= devices
+        out["gathered_params"] = 4 * n
+    out["total"] = sum(out.values())
+    return out
+
+
+class MemoryEstimate(dict):
+    """A dict of figures (MB unless the key says otherwise) that prints as a table in a terminal or notebook."""
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [(k, f"{v:,.1f}" if isinstance(v, float) else str(v)) for k, v in self.items()]
+
+    def __repr__(self) -> str:
+        width = max(len(k) for k in self)
+        return "\n".join(f"{k:<{width}}  {v:>12}" for k, v in self.rows())
+
+    def _repr_html_(self) -> str:
+        body = "".join(f"<tr><td>{k}</td><td style='text-align:right'>{v}</td></tr>" for k, v in self.rows())
+        return f"<table><tr><th>item</th><th>value</th></tr>{body}</table>"
+
+
+def host_rss_mb(device_total_bytes: int, devices: int, platform: str, data_mb: float) -> float:
+    """Predicted peak RSS: framework + data pipeline + (on CPU) every host device's buffers."""
+    on_host = devices * device_total_bytes / MB if platform == "cpu" else 0.0
+    return FRAMEWORK_MB + data_mb + on_host
+
+
+def fit_candidates(
+    shape: ModelShape,
+    seq_len: int,
+    batch_size: int,
+    accumulation: int,
+    budget_bytes: int,
+    *,
+    max_devices: int,
+    platform: str,
+    data_mb: float,
+    margin: float = 0.10,
+    user: tuple[bool, bool, bool] = (False, False, False),
+) -> list[dict]:
+    """Settings that keep the effective batch (batch_size x accumulation sequences) and fit the budget.
+
+    Each candidate: micro-batch (a divisor of the effective batch), the
+    matching accumulation, 8-bit optimizer state, mixed precision, gradient checkpointing, on as many of
+    `max_devices` as divide the micro-batch (as devices.data_mesh does); the user's own setting first
+    when it fits, then the rest ordered by an estimated speed cost (halving the micro-batch ~10%, remat ~30%, bf16 on CPU ~30% (it is emulated) but
+    a gain on accelerators, 8-bit state ~1%) and kept only when the predicted peak is within
+    (1 - margin) x budget: host RSS on CPU, device memory elsewhere. The trainer compiles the first
+    candidates and takes the first one XLA agrees fits.
+    """
+    effective = batch_size * accumulation
+    out = []
+    for micro in sorted({d for d in range(1, effective + 1) if effective % d == 0}, reverse=True):
+        devices = max(k for k in range(1, min(max_devices, micro) + 1) if micro % k == 0)
+        for eight in (False, True):
+            for mixed in (False, True):
+                for remat in (False, True):
+                    dev = device_breakdown(shape, seq_len, micro // devices, mixed_precision=mixed,
+                                           gradient_checkpointing=remat, use_8bit_optimizer=eight,
+                                           gradient_accumulation_steps=effective // micro, devices=devices)
+                    peak = host_rss_mb(dev["total"], devices, platform, data_mb) * MB if platform == "cpu" else dev["total"]
+                    if peak > (1 - margin) * budget_bytes:
+                        continue
+                    cost = (0.1 * math.log2(effective / micro) + 0.3 * remat + 0.01 * eight
+                            + (0.3 if platform == "cpu" else -0.1) * mixed)
+                    if micro == batch_size and (eight, mixed, remat) == tuple(user):
+                        cost = -1.0  # the user's own setting (user = their 8-bit, bf16, remat flags) when it fits
+                    out.append({"batch_size": micro, "gradient_accumulation_steps": effective // micro,
+                                "use_8bit_optimizer": eight, "use_mixed_precision": mixed,
+                                "gradient_checkpointing": remat, "predicted_peak_mb": peak / MB, "cost": cost})
+    return sorted(out, key=lambda c: (c["cost"], c["predicted_peak_mb"]))
+
+
+def estimate_memory_usage(
+    num_sequences: int,
+    seq_len: int,
+    batch_size: int,
+    shuffle_buffer_size: int = 10_000,
+    avg_document_chars: int = 1_000,
+    prefetch: int = 2,
+    chunk_chars: int = 256_000,
+    *,
+    target_params: int | None = None,
+    shape=None,
+    vocab_size: int | None = None,
+    mixed_precision: bool = False,
+    use_8bit_optimizer: bool = False,
+    gradient_accumulation_steps: int = 1,
+    gradient_checkpointing: bool = False,
+    streaming: bool = True,
+    devices: int = 1,
+    platform: str = "cpu",
+    sharding: str = "dp",
+) -> dict:
+    """Memory of a run in MB: the data side always, and the whole run when a model is given.
+
+    Data side (the seed's keys):
+    full_load_mb   = num_sequences * seq_len * 2 arrays (inputs, targets) * 4 bytes (int32)
+    streaming_mb   = batches alive ((prefetch + 2) batches: queue, the one being built, the one in use)
+                   + shuffle buffer (shuffle_buffer_size * (avg_document_chars + 49 bytes of str header))
+                   + one tokenization chunk (chunk_chars as text + ~4 bytes/char of token ids, upper bound)
+    memory_savings = "xx.xx%" (1 - streaming / full load), also as a fraction in memory_savings_frac.
+
+    With `target_params` (shape from model_sizing.choose_shape, vocab from `vocab_size` or the default for
+    that size) or an explicit model_sizing.ModelShape `shape`, also the device breakdown per device
+    (params, gradients, optimizer state, accumulation buffer, activations, logits; formulas in
+    memory_estimate.py), `device_total_mb` and `host_rss_mb` = framework + data pipeline (streaming or
+    full load) + on CPU the device totals of all `devices` host devices. `batch_size` is the global
+    micro-batch, split over `devices`; `sharding="fsdp"` splits the train state over them too. The result is a dict that prints as a table (also in notebooks).
+    """
+    mb = 1 / MB
+    row_bytes = seq_len * 2 * 4
+    full = num_sequences * row_bytes * mb
+    batches = (prefetch + 2) * batch_size * row_bytes * mb
+    shuffle = (shuffle_buffer_size if shuffle_buffer_size > 1 else 0) * (avg_document_chars + 49) * mb
+    chunk = chunk_chars * 5 * mb
+    streaming_mb = batches + shuffle + chunk
+    frac = 1 - streaming_mb / full if full > 0 else 0.0
+    out = MemoryEstimate({
+        "full_load_mb": round(full, 3),
+        "streaming_mb": round(streaming_mb, 3),
+        "memory_savings": f"{frac * 100:.2f}%",
+        "memory_savings_frac": frac,
+        "streaming_batches_mb": round(batches, 3),
+        "shuffle_buffer_mb": round(shuffle, 3),
+        "tokenize_chunk_mb": round(chunk, 3),
+    })
+    if shape is None and target_params is None:
+        return out
+    if shape is None:
+        shape = choose_shape(target_params, vocab_size or default_vocab_size(target_params))
+    if batch_size % devices:
+        raise ValueError(f"batch_size {batch_size} does not split over {devices} devices")
+    dev = device_breakdown(shape, seq_len, batch_size // devices, mixed_precision=mixed_precision,
+                           gradient_checkpointing=gradient_checkpointing, use_8bit_optimizer=use_8bit_optimizer,
+                           gradient_accumulation_steps=gradient_accumulation_steps, devices=devices,
+                           fsdp=sharding == "fsdp")
+    for k, v in dev.items():
+        out[f"{k}_mb" if k != "total" else "device_total_mb"] = round(v * mb, 3)
+    data_mb = streaming_mb if streaming else full
+    out["data_pipeline_mb"] = round(data_mb, 3)
+    out["framework_mb"] = FRAMEWORK_MB
+    out["host_rss_mb"] = round(host_rss_mb(dev["total"], devices, platform, data_mb), 3)
+    return out
+
+
+_UNITS = {"": MB, "b": 1, "k": 2**10, "m": MB, "g": 2**30, "t": 2**40}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(?:i?b)?|(b))?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str, flag: str = "--memory-budget") -> int:
+    """Bytes in a size like '8GB', '512MB', '1.5G', '800MiB', '2048' (a plain number is MB).
+
+    Units are binary whatever the spelling: K/KB/KiB = 2**10, M/MB/MiB = 2**20, G/GB/GiB = 2**30,
+    T/TB/TiB = 2**40 (memory is reported in binary units, so '8GB' means what `free -g` shows).
+    """
+    m = _SIZE_RE.fullmatch(text) if isinstance(text, str) else None
+    value = float(m.group(1)) if m else 0.0
+    if not m or value <= 0:
+        raise ConfigError(f"{flag} {text!r}: use a size like 8GB or 512MB")
+    unit = (m.group(2) or m.group(3) or "").lower()
+    return int(round(value * _UNITS[unit]))

@@ -1,0 +1,51 @@
+"""This process's memory as the operating system sees it: current and peak RSS, and what the host has free.
+
+The one place that reads /proc (Linux); elsewhere the figures fall back to getrusage's peak. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+MB = 1 << 20
+_PAGE_MB = os.sysconf("SC_PAGE_SIZE") / MB
+_RU_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KB on Linux
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MB (getrusage)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RU_UNIT / MB
+
+
+def rss_mb(fd: int | None = None) -> float:
+    """Current resident set size of this process in MB.
+
+    `fd`: an open descriptor of /proc/self/statm, read with one pread (the monitor samples every
+    0.5 s without an open/close each time). Off Linux: the peak, the best cheap figure there is.
+    """
+    try:
+        if fd is not None:
+            data = os.pread(fd, 128, 0)
+        else:
+            with open("/proc/self/statm", "rb") as f:
+                data = f.read()
+        return int(data.split()[1]) * _PAGE_MB
+    except (OSError, ValueError, IndexError):
+        return peak_rss_mb()
+
+
+def available_host_mb() -> float | None:
+    """MemAvailable plus this process's RSS (what the run could grow into), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+    return avail + rss_mb()
+
+
+def total_ram_gb() -> float:
+    """Physical memory of the host in GiB (for --preset auto)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

@@ -1,0 +1,80 @@
+"""Memory pre-flight: put XLA's figure for the compiled step beside the estimate, predict the run's peaks,
+and decide whether the run fits the machine and --memory-budget. Pure Python: the trainer compiles the
+step (slm.train.builder.compile_step) and hands the figures in, then runs that same executable, so
+pre-flight costs no extra compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slm.memory.estimate import FRAMEWORK_MB, MemoryEstimate
+
+
+@dataclass
+class MemoryPlan:
+    """What a run will hold, predicted before its first step (MB throughout)."""
+
+    estimate: MemoryEstimate  # the arithmetic's per-device breakdown (estimate_memory_usage)
+    compiled_device_mb: float  # XLA's memory analysis of the compiled step, per device
+    compile_s: float
+    platform: str
+    devices: int  # devices in the mesh
+    local_devices: int  # of those, on this host
+    data_mb: float  # the data pipeline's host memory
+    limit_mb: float | None  # what the machine has (host RSS room on CPU, device bytes_limit elsewhere)
+    budget_mb: float | None  # --memory-budget (x 0.9 under --auto-fit)
+
+    @property
+    def estimated_device_mb(self) -> float:
+        return self.estimate["device_total_mb"]
+
+    @property
+    def estimated_peak_rss_mb(self) -> float:
+        """Framework + data pipeline + on CPU this host's devices (device memory *is* host memory there)."""
+        on_host = self.local_devices * self.compiled_device_mb if self.platform == "cpu" else 0.0
+        return FRAMEWORK_MB + self.data_mb + on_host
+
+    @property
+    def what(self) -> str:
+        return "peak host RSS" if self.platform == "cpu" else "device memory"
+
+    @property
+    def predicted_peak_mb(self) -> float:
+        return self.estimated_peak_rss_mb if self.platform == "cpu" else self.compiled_device_mb
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the run cannot start (one line naming the fix), or None when it fits."""
+        need, what = self.predicted_peak_mb, self.what
+        if self.limit_mb is not None and need > self.limit_mb:
+            return (f"this run needs ~{need:,.0f} MB of {what} but the {self.platform} has {self.limit_mb:,.0f} MB "
+                    f"available; try --use-8bit-optimizer, a smaller --batch-size with more "
+                    f"--gradient-accumulation-steps, or --memory-budget {self.limit_mb * 0.9 / 1024:.1f}GB --auto-fit")
+        if self.budget_mb is not None and need > self.budget_mb:
+            return (f"--memory-budget {self.budget_mb:,.0f} MB: this run needs ~{need:,.0f} MB of {what} "
+                    f"(compiled step {self.compiled_device_mb:,.0f} MB/device x {self.devices}); add --auto-fit, "
+                    f"or try --use-8bit-optimizer / a smaller --batch-size with more --gradient-accumulation-steps")
+        return None
+
+    def record(self) -> dict:
+        """The predictions kept in config.json and summary.json (every run checks the estimate)."""
+        return {"estimated_peak_rss_mb": round(self.estimated_peak_rss_mb, 1),
+                "estimated_device_mb": round(self.estimated_device_mb, 1),
+                "compiled_device_mb": round(self.compiled_device_mb, 1)}
+
+    def describe(self) -> list[str]:
+        """The plan as log lines: the breakdown, XLA's figure, the predicted peaks."""
+        e = self.estimate
+        parts = ", ".join(f"{k[:-3].replace('_', ' ')} {e[k]:,.1f}" for k in
+                          ("params_mb", "gradients_mb", "optimizer_state_mb", "accumulation_mb", "activations_mb",
+                           "logits_mb"))
+        cpu = self.platform == "cpu"
+        return [f"[memory] per device (MB, estimate): {parts}; total {e['device_total_mb']:,.1f} "
+                f"| XLA's compiled step: {self.compiled_device_mb:,.1f} MB/device x {self.devices} "
+                f"(compiled in {self.compile_s:.1f}s)",
+                f"[memory] predicted peak host RSS {self.estimated_peak_rss_mb:,.0f} MB (framework {FRAMEWORK_MB:,.0f} "
+                f"+ data {self.data_mb:,.1f}"
+                + (f" + devices {self.devices * self.compiled_device_mb:,.0f}" if cpu else "")
+                + ")" + (f"; device memory {self.compiled_device_mb:,.0f} MB" if not cpu else "")
+                + (f"; available {self.limit_mb:,.0f} MB" if self.limit_mb else "")]

@@ -1,0 +1,1 @@
+"""Model: sizing (pure Python), the Flax transformer and its KV-cache decoder. No files, no flags."""

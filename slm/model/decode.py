@@ -1,0 +1,111 @@
+"""KV-cache decoding: the Transformer's arithmetic for T new tokens that attend to cached keys and values.
+
+The same parameter tree and arithmetic as slm.model.transformer.Transformer, for T new tokens at absolute
+positions start..start+T-1 that attend to K/V cached from earlier calls. Separate classes so the
+training forward stays exactly as it is; `decode` applies them to a Transformer's params.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from slm.model.sizing import ModelShape
+from slm.model.transformer import Dtype, RMSNorm, SwiGLU, Transformer, dense, rotary_at
+
+
+KVCache = list  # one {"k": BxSxHxK, "v": BxSxHxK} per layer, S cache positions, in the compute dtype
+
+
+def init_cache(shape: ModelShape, batch: int, length: int, dtype: Dtype = jnp.float32) -> KVCache:
+    """A zeroed cache of `length` positions (one buffer per tensor, so the whole cache can be donated)."""
+    def zeros() -> jax.Array:
+        return jnp.zeros((batch, length, shape.n_heads, shape.head_dim), dtype)
+
+    return [{"k": zeros(), "v": zeros()} for _ in range(shape.n_layers)]
+
+
+class CachedAttention(nn.Module):
+    """Attention's math for T new tokens: write their rotated K and V into the cache at `start`, then attend
+    over all S cache slots with the causal mask (key position <= query position). The mask also hides
+    slots not written yet, or written by a right-padded prefill, until a later call overwrites them."""
+
+    shape: ModelShape
+    dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array) -> tuple[jax.Array, dict]:
+        B, T, D = x_BxTxD.shape
+        H, K = self.shape.n_heads, self.shape.head_dim
+        S = cache["k"].shape[1]
+        assert T <= S, f"{T} new tokens do not fit a cache of {S} positions"
+        out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
+        qkv_BxTx3D = dense(3 * D, "qkv", self.dtype, 0.02)(x_BxTxD)
+        q, k, v = jnp.split(qkv_BxTx3D.reshape(B, T, 3 * H, K), 3, axis=2)
+        q, k = rotary_at(q, start, S), rotary_at(k, start, S)
+        k_BxSxHxK = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)
+        v_BxSxHxK = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
+        logits_BxHxTxS = jnp.einsum("bqhk,bshk->bhqs", q, k_BxSxHxK, preferred_element_type=jnp.float32)
+        logits_BxHxTxS = logits_BxHxTxS * (K ** -0.5)
+        causal_TxS = (start + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :]
+        logits_BxHxTxS = jnp.where(causal_TxS, logits_BxHxTxS, jnp.finfo(jnp.float32).min)
+        probs_BxHxTxS = jax.nn.softmax(logits_BxHxTxS, axis=-1).astype(self.dtype)
+        out_BxTxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxTxS, v_BxSxHxK)
+        out_BxTxD = dense(D, "o", self.dtype, out_std)(out_BxTxHxK.reshape(B, T, D))
+        return out_BxTxD, {"k": k_BxSxHxK, "v": v_BxSxHxK}
+
+
+class CachedBlock(nn.Module):
+    shape: ModelShape
+    dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array) -> tuple[jax.Array, dict]:
+        attn_BxTxD, cache = CachedAttention(self.shape, self.dtype, name="attn")(
+            RMSNorm(name="attn_norm")(x_BxTxD), cache, start)
+        x_BxTxD = x_BxTxD + attn_BxTxD
+        x_BxTxD = x_BxTxD + SwiGLU(self.shape, self.dtype, name="mlp")(RMSNorm(name="mlp_norm")(x_BxTxD))
+        return x_BxTxD, cache
+
+
+class CachedTransformer(nn.Module):
+    """(ids (B, T) at positions start.., cache, start) -> (float32 logits, updated cache); Transformer's params.
+
+    Logits are (B, T, V), or (B, 1, V) for position start+`last` only when `last` is given (a prefill
+    needs just the last prompt token's, and the (T, V) projection is the largest matmul there).
+    """
+
+    shape: ModelShape
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, ids_BxT: jax.Array, cache: KVCache, start: jax.Array,
+                 last: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        embed_VxD = self.param(
+            "embed", nn.initializers.normal(0.02), (self.shape.vocab_size, self.shape.d_model), jnp.float32
+        )
+        x_BxTxD = jnp.take(embed_VxD, ids_BxT, axis=0).astype(self.dtype)
+        new_cache = []
+        for i in range(self.shape.n_layers):
+            x_BxTxD, layer_cache = CachedBlock(self.shape, self.dtype, name=f"block_{i}")(x_BxTxD, cache[i], start)
+            new_cache.append(layer_cache)
+        if last is not None:
+            x_BxTxD = jax.lax.dynamic_slice_in_dim(x_BxTxD, last, 1, axis=1)
+        x_BxTxD = RMSNorm(name="final_norm")(x_BxTxD)
+        logits_BxTxV = jnp.einsum(
+            "bld,vd->blv", x_BxTxD, embed_VxD.astype(self.dtype), preferred_element_type=jnp.float32
+        )
+        return logits_BxTxV, new_cache
+
+
+def decode(model: Transformer, params: Any, ids_BxT: jax.Array, cache: KVCache, start: jax.Array,
+           last: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """`model`'s logits for ids_BxT at positions start..start+T-1 given the cache of positions < start.
+
+    The cache must have been made by `init_cache` with `model.dtype` and filled by earlier calls for every
+    position < start; the returned cache also holds these T positions.
+    """
+    return CachedTransformer(model.shape, model.dtype).apply({"params": params}, ids_BxT, cache, start, last)

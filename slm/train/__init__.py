@@ -1,0 +1,1 @@
+"""Training: Config, devices, the builder, the jitted step, the loop with its callbacks and train()."""

@@ -1,0 +1,182 @@
+"""One builder of model + optimizer + train state: for training, the memory pre-flight, resume, generate and export.
+
+`StepSpec` is everything the compiled train step depends on; `build` turns it into the Flax model, the
+optax transformation and the state's shardings on a mesh; `compile_step` lowers and compiles the jitted
+step at abstract shapes (nothing allocated) and reads XLA's memory analysis, and the trainer then runs
+that same executable; `init_state` builds the state in place with its final layout; `load_run` restores
+a run directory's parameters on one device, whatever mesh saved them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from slm.data.tokenizer import load_tokenizer
+from slm.errors import RunError, TokenizerError, first_line
+from slm.io.checkpoints import Checkpointer
+from slm.memory.host import MB
+from slm.model.sizing import ModelShape
+from slm.model.transformer import Transformer, init_params
+from slm.optim.optimizer import make_optimizer
+from slm.train.devices import data_mesh, shardings, state_shardings
+from slm.train.step import TrainState, init_state as fresh_state, make_train_step
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What the compiled train step depends on (the model, the optimizer, the batch and its layout)."""
+
+    shape: ModelShape
+    seq_len: int
+    batch_size: int  # the global micro-batch, split over the mesh
+    accumulation: int = 1
+    mixed_precision: bool = False
+    remat: bool = False
+    use_8bit: bool = False
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    sharding: str = "dp"
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, c: Any, shape: ModelShape) -> StepSpec:
+        """The spec of a slm.train.config.Config (or a run's config.json as a namespace)."""
+        return cls(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, c.use_mixed_precision,
+                   c.gradient_checkpointing, c.use_8bit_optimizer, c.weight_decay, c.grad_clip, c.sharding, c.seed)
+
+
+@dataclass
+class Built:
+    """The model, optimizer and layout of one spec on one mesh; `abstract` is the state's shapes only."""
+
+    spec: StepSpec
+    model: Transformer
+    tx: optax.GradientTransformation
+    mesh: Any
+    state_sharding: Any
+    batch_sharding: Any
+    abstract: TrainState
+
+
+def model_and_optimizer(spec: StepSpec) -> tuple[Transformer, optax.GradientTransformation, TrainState]:
+    """The Flax model, the optax transformation and the state's shapes (jax.eval_shape: nothing allocated)."""
+    model = Transformer(spec.shape, dtype=jnp.bfloat16 if spec.mixed_precision else jnp.float32, remat=spec.remat)
+    tx = make_optimizer(spec.weight_decay, spec.grad_clip, spec.accumulation, use_8bit=spec.use_8bit)
+    return model, tx, jax.eval_shape(lambda: fresh_state(init_params(model, spec.seed, spec.seq_len), tx))
+
+
+def build(spec: StepSpec, mesh: Any) -> Built:
+    """Model, optimizer and the state's shardings on `mesh` (nothing allocated)."""
+    model, tx, abstract = model_and_optimizer(spec)
+    state_sharding = state_shardings(abstract, mesh, spec.sharding)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sharding)
+    return Built(spec, model, tx, mesh, state_sharding, shardings(mesh)[1], abstract)
+
+
+def training_mesh(batch_size: int, devices_chosen: bool) -> Any:
+    """The data mesh for a global micro-batch. The trainer makes up one host device per core for speed,
+    and uses as many of those as divide the batch; any other device count (several processes, an
+    accelerator, --cpu-devices) is the user's, and a batch that does not divide over it is an error."""
+    strict = jax.process_count() > 1 or jax.devices()[0].platform != "cpu" or devices_chosen
+    return data_mesh(batch_size, strict=strict)
+
+
+def compiled_memory(jitted: Any, *args: Any) -> dict:
+    """XLA's memory analysis of a jitted function for these (possibly abstract) arguments, in bytes.
+
+    peak = arguments + outputs + temporaries - aliased (outputs written into donated arguments):
+    what the compiled program holds at once, before the runtime's own overhead. Also returns the
+    executable under "compiled".
+    """
+    compiled = jitted.lower(*args).compile()
+    m = compiled.memory_analysis()
+    out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+           "temporaries": m.temp_size_in_bytes, "aliased": m.alias_size_in_bytes}
+    out["peak"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+    return {**out, "compiled": compiled}
+
+
+def compile_step(built: Built) -> tuple[Any, float, float]:
+    """(the compiled train step, seconds to compile, XLA's peak MB per device), at abstract shapes."""
+    spec = built.spec
+    batch = {k: jax.ShapeDtypeStruct((spec.batch_size, spec.seq_len), jnp.int32, sharding=built.batch_sharding)
+             for k in ("input_ids", "targets")}
+    t0 = time.time()
+    step = make_train_step(built.model, built.tx, built.state_sharding, built.batch_sharding)
+    mem = compiled_memory(step, built.abstract, batch, np.float32(0))
+    return mem["compiled"], time.time() - t0, mem["peak"] / MB
+
+
+def init_state(built: Built) -> TrainState:
+    """The step-0 state, built in place with its final layout: under FSDP no device holds the whole state."""
+    spec = built.spec
+    return jax.jit(lambda: fresh_state(init_params(built.model, spec.seed, spec.seq_len), built.tx),
+                   out_shardings=built.state_sharding)()
+
+
+@dataclass
+class LoadedRun:
+    """A run's checkpoint on one device: its config.json, shape, float32 params, tokenizer and step."""
+
+    config: dict
+    shape: ModelShape
+    params: Any
+    tokenizer: Any
+    step: int
+
+
+def load_run(run_dir: str, step: int | None = None) -> LoadedRun:
+    """A finished or running run's newest (or given) checkpoint, for sampling and export.
+
+    Every failure (missing file, unknown --step, a corrupt or foreign checkpoint) is a RunError with a
+    one-line message.
+    """
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if step is not None and os.path.isdir(ckpt_dir):
+        steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit())
+        if step not in steps:
+            raise RunError(f"--step {step}: no such checkpoint in {ckpt_dir} (have: "
+                           f"{', '.join(map(str, steps)) or 'none'})")
+    for name in ("config.json", "tokenizer.json", "checkpoints"):
+        if not os.path.exists(os.path.join(run_dir, name)):
+            raise RunError(f"{run_dir}: no {name}; pass a run's output dir (the one with config.json)")
+    try:
+        tokenizer = load_tokenizer(os.path.join(run_dir, "tokenizer.json"))
+    except TokenizerError as e:
+        raise RunError(str(e)) from None
+    try:
+        return _restore(run_dir, step, tokenizer)
+    except RunError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a corrupt or foreign checkpoint: say which and why, in one line
+        raise RunError(f"--run {run_dir}: could not load the checkpoint ({type(e).__name__}: "
+                       f"{first_line(e)})") from None
+
+
+def _restore(run_dir: str, step: int | None, tokenizer: Any) -> LoadedRun:
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)
+    shape = ModelShape(**config["model"])
+    spec = StepSpec(shape, 8, 1, config["gradient_accumulation_steps"], use_8bit=config.get("use_8bit_optimizer", False),
+                    weight_decay=config["weight_decay"], grad_clip=config["grad_clip"])
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # whatever mesh saved it
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
+                            model_and_optimizer(spec)[2])
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=None)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise RunError(f"{run_dir}/checkpoints: no complete checkpoint yet")
+        state, meta, _ = ckpt.restore(abstract, step)
+    finally:
+        ckpt.close()
+    return LoadedRun(config, shape, state.params, tokenizer, int(meta["step"]))

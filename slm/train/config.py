@@ -1,0 +1,216 @@
+"""Config: every setting of a run, declared once with its flag, help, units and what --resume and --config do
+with it. argparse (slm.cli.flags), config files (slm.cli.config_file), resume (slm.train.resume) and the
+flag table in docs/flags.md are all generated from these declarations.
+
+What a resumed or repeated run does with a field (its `policy`):
+
+    identity    what the run *is* (data, tokenizer, model, optimizer, schedule): a --config file or a
+                run's config.json repeats it, and --resume keeps the run's value (a different one given on
+                the command line is refused, naming it)
+    adjustable  how long and how visibly it runs (steps, time, logging, checkpoint cadence, devices):
+                repeated by --config; --resume keeps the run's value unless the command line gives one
+    launch      how this process was started (jax.distributed settings): never taken from a file's run
+                or a resumed run
+    per_run     output dir, --resume itself, --preset and --auto-fit: not repeated from a run's
+                config.json (the preset's and auto-fit's choices are already in the saved values)
+
+Some values are resolved when a run starts (the learning rate, warmup, stride and vocabulary) and saved
+resolved in config.json beside `RunFacts`, the run's derived facts (shape, parameter count, devices):
+a config.json passed back as --config therefore trains the same model the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from slm.errors import ConfigError
+from slm.memory.estimate import parse_size
+
+IDENTITY, ADJUSTABLE, LAUNCH, PER_RUN = "identity", "adjustable", "launch", "per_run"
+
+
+def setting(default: Any, help: str, policy: str, units: str = "", unset: str | None = None,
+            choices: tuple[str, ...] | None = None, optional_value: str | None = None) -> Any:
+    """A Config field: `help` (no % escaping), `units` shown in the flag table, `unset` the word for a
+    None default (default "auto"), `choices` for a string, `optional_value` for a flag that may be given
+    bare (argparse nargs="?": --resume alone means "latest")."""
+    meta = {"help": help, "policy": policy, "units": units, "unset": unset, "choices": choices,
+            "optional_value": optional_value}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Config:
+    # data
+    dataset_id: str | None = setting(None, "Hub id (e.g. roneneldan/TinyStories), file, directory or glob. Default: TinyStories when the hub answers, else the built-in offline corpus", IDENTITY)
+    dataset_config: str | None = setting(None, "Hub dataset configuration name", IDENTITY)
+    split: str = setting("train", "Split to train on", IDENTITY)
+    text_column: str | None = setting(None, "Column holding the text (auto-detected: text, content, story, ...)", IDENTITY)
+    eval_dataset_id: str | None = setting(None, "Separate held-out source, scored whole. Default: the source's validation split, else its first documents (held out from training)", IDENTITY)
+    use_streaming: bool = setting(False, "Stream and tokenize on the fly in constant memory (off: load and tokenize everything up front)", IDENTITY)
+    shuffle_buffer_size: int = setting(10_000, "Documents in the shuffle buffer (0 or 1: no shuffling)", IDENTITY, "documents")
+    max_examples: int | None = setting(None, "Use at most this many training documents per epoch", IDENTITY, "documents")
+    # tokenizer
+    tokenizer: str | None = setting(None, "Path to a tokenizer.json; otherwise a byte-level BPE is trained on the stream", IDENTITY)
+    vocab_size: int | None = setting(None, "Vocabulary of the BPE to train (default: 512-8192 by --target-params)", IDENTITY, "tokens")
+    # model
+    target_params: int = setting(1_000_000, "Parameter target; the shape is chosen within 5% (see slm/model/sizing.py)", IDENTITY, "parameters")
+    n_layers: int | None = setting(None, "Override: number of layers", IDENTITY)
+    d_model: int | None = setting(None, "Override: model width", IDENTITY)
+    n_heads: int | None = setting(None, "Override: attention heads", IDENTITY)
+    seq_len: int = setting(128, "Tokens per training sequence", IDENTITY, "tokens")
+    stride: int | None = setting(None, "Tokens between sequence starts (default --seq-len: no overlap, nothing lost)", IDENTITY, "tokens")
+    # optimisation
+    batch_size: int = setting(32, "Sequences per micro-batch", IDENTITY, "sequences")
+    gradient_accumulation_steps: int = setting(1, "Micro-batches per optimizer step (optax.MultiSteps)", IDENTITY, "micro-batches")
+    learning_rate: float | None = setting(None, "Peak AdamW learning rate (default: 6e-4 * sqrt(125M / params), at most 1e-2)", IDENTITY)
+    warmup_steps: int = setting(100, "Linear warmup (optimizer steps; capped at 20% of the run when its length is known)", IDENTITY, "steps")
+    weight_decay: float = setting(0.1, "Decoupled weight decay on matrices", IDENTITY)
+    grad_clip: float = setting(1.0, "Clip gradients to this global norm (0: off)", IDENTITY)
+    use_mixed_precision: bool = setting(False, "bfloat16 compute with float32 master weights", IDENTITY)
+    gradient_checkpointing: bool = setting(False, "Recompute each block's activations in the backward pass (less memory, ~30% more compute)", IDENTITY)
+    use_8bit_optimizer: bool = setting(False, "Keep Adam's moments as 8-bit block-quantized codes: ~2 bytes/param instead of 8 (slm/optim/adam8bit.py)", IDENTITY)
+    # length of the run
+    epochs: int | None = setting(None, "Passes over the data, reshuffled each epoch (default: repeat until --max-steps/--max-time, else 1)", IDENTITY)
+    max_steps: int | None = setting(None, "Stop after this many optimizer steps", ADJUSTABLE, "steps")
+    max_time: float | None = setting(None, "Wall-clock budget from process start: train until spent, then eval and save", ADJUSTABLE, "seconds")
+    seed: int = setting(0, "Seed for init, shuffling and sampling", IDENTITY)
+    # evaluation, logging, outputs
+    eval_every: int = setting(500, "Evaluate (and write a sample) every N optimizer steps, and at the end", ADJUSTABLE, "steps")
+    eval_tokens: int = setting(65_536, "Tokens scored per eval (a separate --eval-dataset-id file is scored whole)", ADJUSTABLE, "tokens")
+    log_every: int = setting(10, "Log a metrics row every N optimizer steps", ADJUSTABLE, "steps")
+    checkpoint_every: int = setting(1000, "Save a checkpoint every N optimizer steps, and at the end", ADJUSTABLE, "steps")
+    checkpoint_minutes: float | None = setting(None, "Also save a checkpoint every M minutes of wall time", ADJUSTABLE, "minutes", unset="off")
+    keep_checkpoints: int = setting(3, "Keep the newest N checkpoints plus the best by eval loss (the newest is never deleted)", ADJUSTABLE, "checkpoints")
+    skip_nonfinite: int = setting(0, "Skip up to N steps whose loss or gradient is NaN/Inf (each logged) before stopping the run", ADJUSTABLE, "steps")
+    output_dir: str | None = setting(None, "Where outputs go (default: a new folder under runs/)", PER_RUN)
+    cpu_devices: int | None = setting(None, "CPU only: host devices to split each batch over (default: one per core, at most 8; see slm/train/devices.py)", ADJUSTABLE, "devices")
+    sharding: str = setting("dp", "dp: each device holds the whole train state (batch split over the devices); fsdp: params and optimizer state split over them too (less memory per device, same steps)", ADJUSTABLE, choices=("dp", "fsdp"))
+    coordinator_address: str | None = setting(None, "Several processes (jax.distributed): host:port of process 0, with --num-processes and --process-id (clusters JAX detects, e.g. SLURM, need none of them)", LAUNCH, unset="off")
+    num_processes: int | None = setting(None, "Several processes: how many; each reads its own part of the data and --batch-size is split over all devices", LAUNCH, "processes", unset="off")
+    process_id: int | None = setting(None, "Several processes: this one's index, 0 to --num-processes - 1 (process 0 writes logs, samples and summary)", LAUNCH, unset="off")
+    # memory
+    memory_budget: str | None = setting(None, "Refuse to start (exit 2) if the predicted peak exceeds this, e.g. 8GB: host RSS on CPU, device memory on an accelerator", ADJUSTABLE, "bytes (8GB, 512MB)", unset="off")
+    auto_fit: bool = setting(False, "With --memory-budget: pick micro-batch, accumulation, 8-bit state, mixed precision and remat to fit, keeping the effective batch", PER_RUN)
+    preset: str | None = setting(None, "limited-ram, medium-ram, high-ram, tpu or auto: the guide's settings for that hardware; explicit flags win", PER_RUN, unset="off")
+    resume: str | None = setting(None, "Continue a run exactly (model, optimizer, schedule, data stream) from its newest checkpoint: --resume with --output-dir, or --resume RUN_DIR", PER_RUN, unset="off", optional_value="latest")
+    memory_alert_mb: float | None = setting(None, "Print a warning each time host RSS crosses this many MB", ADJUSTABLE, "MB", unset="off")
+    # tracking (TensorBoard event files and loss.png are always written to the output dir)
+    wandb: bool = setting(False, "Also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works)", ADJUSTABLE)
+    wandb_project: str | None = setting(None, "W&B project", ADJUSTABLE, unset="slm-trainer")
+
+
+@dataclass
+class RunFacts:
+    """What a run resolved or measured at start, saved beside the Config fields in its config.json (the
+    keys of config.json that are not flags; a --config file ignores them)."""
+
+    dataset: str
+    eval_dataset: str
+    model: dict
+    params: int
+    model_flops_per_token: int
+    optimizer_state_bytes: int
+    memory_plan: dict
+    held_out_documents: int
+    device: str
+    devices: int
+    processes: int
+    jax_version: str
+
+
+DERIVED_KEYS = frozenset(f.name for f in dataclasses.fields(RunFacts))
+
+
+def fields_with(policy: str) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(Config) if f.metadata["policy"] == policy)
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def explicit_fields(c: Config) -> set[str]:
+    """The fields of `c` that differ from Config's defaults: what a notebook caller set explicitly."""
+    defaults = Config()
+    return {f.name for f in dataclasses.fields(Config) if getattr(c, f.name) != getattr(defaults, f.name)}
+
+
+# The guide's recommended settings per hardware (seed 003): RAM tiers by total host memory, and TPU.
+PRESETS = {
+    "limited-ram": dict(batch_size=8, gradient_accumulation_steps=8, use_streaming=True, use_mixed_precision=True,
+                        use_8bit_optimizer=True, shuffle_buffer_size=5_000),
+    "medium-ram": dict(batch_size=32, gradient_accumulation_steps=4, use_streaming=True, shuffle_buffer_size=10_000),
+    "high-ram": dict(batch_size=64, gradient_accumulation_steps=2, use_streaming=True, shuffle_buffer_size=50_000),
+    "tpu": dict(batch_size=128, use_streaming=True, use_mixed_precision=True, shuffle_buffer_size=100_000),
+}
+
+
+def auto_preset(total_ram_gb: float, platform: str) -> str:
+    """--preset auto: tpu on a TPU, else by total RAM (<8 GB limited, 8-16 GB medium, more high)."""
+    if platform == "tpu":
+        return "tpu"
+    return "limited-ram" if total_ram_gb < 8 else "medium-ram" if total_ram_gb <= 16 else "high-ram"
+
+
+def apply_preset(c: Config, name: str, explicit: set[str] | None = None) -> list[str]:
+    """Fill `c` from preset `name` (not "auto": resolve that first), except fields set explicitly
+    (default: those that differ from Config's defaults). Returns the flags it changed."""
+    explicit = explicit_fields(c) if explicit is None else explicit
+    changed = []
+    for k, v in PRESETS[name].items():
+        if k not in explicit and getattr(c, k) != v:
+            setattr(c, k, v)
+            changed.append(flag_name(k) if isinstance(v, bool) else f"{flag_name(k)} {v}")
+    c.preset = name
+    return changed
+
+
+POSITIVE = ("checkpoint_minutes", "keep_checkpoints", "memory_alert_mb", "batch_size", "gradient_accumulation_steps",
+            "target_params", "epochs", "eval_every", "eval_tokens", "log_every", "checkpoint_every", "max_steps",
+            "max_time", "learning_rate", "vocab_size", "n_layers", "d_model", "n_heads", "max_examples",
+            "cpu_devices", "num_processes")
+NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "shuffle_buffer_size", "skip_nonfinite")
+
+
+def validate(c: Config) -> None:
+    """Raise ConfigError (one line naming the flag and the fix) for a value or combination that cannot work."""
+    for name in POSITIVE:
+        v = getattr(c, name)
+        if v is not None and not v > 0:
+            raise ConfigError(f"{flag_name(name)} {v}: must be positive")
+    for name in NON_NEGATIVE:
+        if getattr(c, name) < 0:
+            raise ConfigError(f"{flag_name(name)} {getattr(c, name)}: must be >= 0")
+    if c.seq_len < 2:
+        raise ConfigError(f"--seq-len {c.seq_len}: must be at least 2")
+    if c.stride is not None and not 1 <= c.stride <= c.seq_len:
+        raise ConfigError(f"--stride {c.stride}: must be between 1 and --seq-len ({c.seq_len})")
+    if c.sharding not in ("dp", "fsdp"):
+        raise ConfigError(f"--sharding {c.sharding}: choose dp (replicated state) or fsdp (state split over devices)")
+    if c.process_id is not None and not 0 <= c.process_id < (c.num_processes or 1):
+        raise ConfigError(f"--process-id {c.process_id}: must be between 0 and --num-processes - 1 "
+                          f"({(c.num_processes or 1) - 1})")
+    if c.memory_budget is not None:
+        parse_size(c.memory_budget)
+    if c.auto_fit and not c.memory_budget:
+        raise ConfigError("--auto-fit needs --memory-budget (e.g. --memory-budget 4GB)")
+    if c.preset is not None and c.preset not in PRESETS and c.preset != "auto":
+        raise ConfigError(f"--preset {c.preset}: choose one of {', '.join([*PRESETS, 'auto'])}")
+    if c.tokenizer and c.vocab_size:
+        raise ConfigError("--tokenizer and --vocab-size: give one (the vocabulary comes from the tokenizer file)")
+
+
+def flag_table() -> list[str]:
+    """docs/flags.md's table: one markdown row per flag (tests keep the file equal to this)."""
+    rows = ["| flag | default | units | on --resume / --config | meaning |", "|---|---|---|---|---|"]
+    words = {IDENTITY: "kept / repeated", ADJUSTABLE: "may change / repeated", LAUNCH: "this launch only",
+             PER_RUN: "this run only"}
+    for f in dataclasses.fields(Config):
+        d = f.default
+        d = "off" if d is False else (f.metadata["unset"] or "auto") if d is None else f"{d:,}" if type(d) is int else d
+        rows.append(f"| `{flag_name(f.name)}` | {d} | {f.metadata['units']} | {words[f.metadata['policy']]} "
+                    f"| {f.metadata['help']} |")
+    return rows

@@ -1,0 +1,55 @@
+"""Scoring the held-out set and sampling from the model during training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from slm.data.heldout import EvalSet
+from slm.data.tokenizer import eot_id
+from slm.model.generate import Decoder, generate_ids
+from slm.model.transformer import Transformer
+from slm.train.devices import Processes, replicated_batch
+from slm.train.interrupts import SignalWatcher
+from slm.train.step import make_eval_step
+
+
+class Evaluator:
+    """Sums the held-out set's nats in fixed-size batches (padded, so the eval step compiles once), and
+    samples a sequence from an end-of-text token with the KV-cache decoder."""
+
+    def __init__(self, model: Transformer, eval_set: EvalSet, batch_size: int, batch_sharding: Any, tokenizer: Any,
+                 seq_len: int, seed: int, procs: Processes, signals: SignalWatcher, samples_path: str | None):
+        self.model, self.eval_set, self.batch_size, self.batch_sharding = model, eval_set, batch_size, batch_sharding
+        self.tokenizer, self.seq_len, self.seed = tokenizer, seq_len, seed
+        self.procs, self.signals, self.samples_path = procs, signals, samples_path
+        self.eval_step = make_eval_step(model)
+        self.decoder = Decoder(model)
+
+    def score(self, params: Any) -> tuple[float, float] | None:
+        """(sum of nats, tokens scored); None when a signal arrives meanwhile (the run saves and stops)."""
+        nats, count = 0.0, 0.0
+        B, es = self.batch_size, self.eval_set
+        for i in range(0, len(es.inputs), B):
+            x, y, m = es.inputs[i: i + B], es.targets[i: i + B], es.mask[i: i + B]
+            if len(x) < B:  # pad the last batch so the eval step compiles once
+                pad = ((0, B - len(x)), (0, 0))
+                x, y, m = np.pad(x, pad), np.pad(y, pad), np.pad(m, pad)
+            if self.procs.any(bool(self.signals.received)):  # all processes abort together
+                return None
+            s, n = self.eval_step(params, *(replicated_batch(a, self.batch_sharding) for a in (x, y, m)))
+            nats, count = nats + float(s), count + float(n)
+        return nats, count
+
+    def sample(self, params: Any, step: int) -> str:
+        """A seq_len-token sample (temperature 0.8, top-k 40; key from seed + step), also appended to samples.txt."""
+        ids = generate_ids(self.model, params, [eot_id(self.tokenizer)], self.seq_len - 1, decoder=self.decoder,
+                           temperature=0.8, top_k=40, key=jax.random.PRNGKey(self.seed + step))
+        text = self.tokenizer.decode(ids[0].tolist())
+        if self.samples_path is not None:
+            with open(self.samples_path, "a") as f:
+                f.write(f"=== step {step}\n{text}\n\n")
+        return text
+

@@ -1,0 +1,249 @@
+"""The train loop: micro-batches in, optimizer steps out, callbacks around each step. Nothing else.
+
+Everything the loop changes lives in one explicit `RunState` (the device train state and the host
+counters a checkpoint saves); everything else a run does (logging, progress, eval and samples,
+checkpoints, tracking, the non-finite guard, the stop conditions) is a `Callback` called in order after
+each optimizer step. A callback that returns a reason stops the run: the callbacks after it do not run
+for that step, so a guard placed before the checkpoint callback stops the run before anything is saved.
+The step is any function (state, batch, lr) -> (state, {"loss", "finite"}), so the loop runs with a fake
+step in tests (tests/train/test_loop.py) and with the compiled jax step in training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from slm.optim.schedule import lr_at
+from slm.train.devices import Processes
+from slm.train.throughput import Throughput
+
+
+@dataclass(frozen=True)
+class Due:
+    """What falls due at this optimizer step."""
+
+    log: bool = False
+    eval: bool = False
+    save: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.log or self.eval or self.save
+
+
+@dataclass
+class Timings:
+    """Wall-clock bookkeeping: start-up (first batch, first step) and eval time are kept out of train time."""
+
+    train_start: float = 0.0
+    first_batch_s: float = 0.0  # fetching before the first step (fills the shuffle buffer): start-up
+    compile_s: float | None = None  # the first step, end to end (it was compiled in pre-flight)
+    wait_s: float = 0.0  # waiting for the data after the first step
+    eval_s: float = 0.0
+    last_save: float = 0.0
+    train_s: float = 0.0  # frozen when the loop ends
+
+
+# Keys of RunState saved in each checkpoint's meta record (with "processes"), the names older runs used.
+SAVED = ("step", "tokens", "epoch", "micro_step", "epoch_micro", "warmup_end", "est_total_tokens", "data_digest",
+         "skipped_nonfinite")
+
+
+@dataclass
+class RunState:
+    """The loop's explicit state: the device train state plus the host counters (SAVED are checkpointed)."""
+
+    train_state: Any = None
+    step: int = 0  # optimizer steps
+    tokens: int = 0  # global tokens of the completed optimizer steps
+    epoch: int = 0
+    micro_step: int = 0
+    epoch_micro: int = 0  # micro-steps into this epoch (the full-load path resumes by it)
+    warmup_end: float | None = None  # run progress when warmup finished: the cosine spans the rest
+    est_total_tokens: float | None = None  # epochs-bounded runs: the schedule's length
+    data_digest: str = ""  # sha256 chained over every micro-batch consumed
+    skipped_nonfinite: int = 0
+    # this process's view, not saved
+    lr: float = 0.0
+    losses: list = field(default_factory=list)  # per micro-step loss (device scalars) since the last log
+    finite: list = field(default_factory=list)  # per micro-step flags not yet checked
+    checked_micro: int = 0  # micro-steps whose flags have been checked
+    last_eval: dict | None = None
+    stop_reason: str = "epochs done"
+    stopped: bool = False
+    nonfinite_stop: bool = False
+    due: Due = Due()
+    timings: Timings = field(default_factory=Timings)
+    throughput: Throughput = field(default_factory=Throughput)
+
+    def meta(self, processes: int) -> dict:
+        return {**{k: getattr(self, k) for k in SAVED}, "processes": processes}
+
+    @classmethod
+    def from_meta(cls, meta: dict, **kwargs: Any) -> RunState:
+        run = cls(**{k: meta[k] for k in SAVED if k in meta}, **kwargs)
+        run.checked_micro = run.micro_step
+        return run
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason, self.stopped = reason, True
+
+    def consume(self, batch: dict, metrics: dict) -> None:
+        """Count one micro-step and chain its batch into the data digest."""
+        self.losses.append(metrics["loss"])
+        self.finite.append(metrics["finite"])
+        self.micro_step += 1
+        self.epoch_micro += 1
+        self.data_digest = hashlib.sha256(bytes.fromhex(self.data_digest) + batch["input_ids"].tobytes()
+                                          + batch["targets"].tobytes()).hexdigest()
+
+
+class Callback:
+    """Hooks around the loop; every method is optional. `on_step` returning a reason stops the run."""
+
+    def on_first_step(self, run: RunState) -> None:
+        """After the first micro-step has run (the compiled step's first execution)."""
+
+    def on_step(self, run: RunState) -> str | None:
+        """After each optimizer step; `run.due` says what falls due."""
+        return None
+
+    def on_epoch_end(self, run: RunState) -> None:
+        """After an epoch ran out of data (not after a stop)."""
+
+    def on_loop_end(self, run: RunState) -> None:
+        """When the loop is over, before train time is frozen."""
+
+    def on_train_end(self, run: RunState) -> None:
+        """After the loop, for the final eval and save (called by the trainer, in order)."""
+
+    def close(self) -> None:
+        """Release files, threads and managers; called however the run ends, errors included."""
+
+
+@dataclass
+class Schedule:
+    """The learning rate at a step: warmup by steps, then cosine over the run's progress, which is by
+    steps (--max-steps), by the fraction of --max-time spent (process 0's clock), or by tokens."""
+
+    peak: float
+    warmup: int
+    max_steps: int | None = None
+    max_time: float | None = None
+    start: float = 0.0  # what --max-time counts from
+    epochs: int = 1
+
+    def lr(self, run: RunState, now: float, procs: Processes) -> float:
+        if self.max_steps:
+            progress = run.step / self.max_steps
+        elif self.max_time:
+            progress = procs.value0((now - self.start) / self.max_time)
+        else:
+            progress = run.tokens / run.est_total_tokens if run.est_total_tokens else 0.0
+        if run.warmup_end is None and run.step >= self.warmup:
+            run.warmup_end = progress
+        return lr_at(progress, run.step, self.peak, self.warmup, warmup_end=run.warmup_end or 0.0)
+
+    def epoch_done(self, run: RunState) -> None:
+        if run.epoch == 0 and not (self.max_steps or self.max_time):  # one epoch counted: the schedule is exact
+            run.est_total_tokens = run.tokens * self.epochs
+
+
+@dataclass
+class Cadence:
+    """When logging, eval and checkpoints fall due: every N steps, and checkpoints every M minutes."""
+
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+    checkpoint_minutes: float | None = None
+
+    def due(self, run: RunState, now: float, procs: Processes) -> Due:
+        save = run.step % self.checkpoint_every == 0 or (bool(self.checkpoint_minutes) and procs.any(
+            now - run.timings.last_save >= 60 * self.checkpoint_minutes))
+        return Due(log=run.step % self.log_every == 0, eval=run.step % self.eval_every == 0, save=save)
+
+
+@dataclass
+class LoopPlan:
+    """The loop's fixed settings."""
+
+    epochs: int
+    accumulation: int
+    tokens_per_step: int  # global tokens per optimizer step
+    micro_tokens: int  # global tokens per micro-step
+    schedule: Schedule
+    cadence: Cadence
+
+
+Step = Callable[[Any, dict, np.float32], tuple[Any, dict]]
+OpenEpoch = Callable[[int, bool], Iterator[dict]]  # (epoch, continuing a resumed epoch) -> batches
+
+
+def run_loop(run: RunState, step: Step, open_epoch: OpenEpoch, callbacks: Sequence[Callback], plan: LoopPlan,
+             procs: Processes = Processes(), clock: Callable[[], float] = time.time, resumed: bool = False) -> None:
+    """Train from `run` until the data, a stop condition or a callback ends it; `run` holds the result."""
+    first_epoch = run.epoch
+    run.timings.train_start = run.timings.last_save = clock()
+    for epoch in range(first_epoch, plan.epochs):
+        continuing = resumed and epoch == first_epoch
+        run.epoch, run.epoch_micro = epoch, run.epoch_micro if continuing else 0
+        batches = open_epoch(epoch, continuing)
+        try:
+            _epoch(run, step, batches, callbacks, plan, procs, clock)
+        finally:
+            getattr(batches, "close", lambda: None)()  # stops a prefetch thread now
+        if run.stopped:
+            break
+        plan.schedule.epoch_done(run)
+        for cb in callbacks:
+            cb.on_epoch_end(run)
+    for cb in callbacks:
+        cb.on_loop_end(run)
+    t = run.timings
+    t.train_s = clock() - t.train_start - t.first_batch_s - (t.compile_s or 0.0) - t.eval_s
+
+
+def _epoch(run: RunState, step: Step, batches: Iterator[dict], callbacks: Sequence[Callback], plan: LoopPlan,
+           procs: Processes, clock: Callable[[], float]) -> None:
+    while True:
+        t0 = time.perf_counter()
+        batch = next(batches, None)
+        waited = time.perf_counter() - t0
+        if procs.any(batch is None):  # processes end an epoch together (their parts differ by < a batch)
+            return
+        if run.timings.compile_s is None:
+            run.timings.first_batch_s += waited
+        else:
+            run.timings.wait_s += waited
+            run.throughput.add(wait_s=waited)
+        run.lr = plan.schedule.lr(run, clock(), procs)
+        run.train_state, metrics = step(run.train_state, batch, np.float32(run.lr))
+        run.consume(batch, metrics)
+        if run.timings.compile_s is None:
+            jax.block_until_ready(metrics["loss"])
+            run.timings.compile_s = clock() - run.timings.train_start - run.timings.first_batch_s
+            run.throughput.start(clock(), -plan.micro_tokens)  # this micro-batch ran before the window
+            for cb in callbacks:
+                cb.on_first_step(run)
+        if run.micro_step % plan.accumulation:
+            continue
+        run.step += 1
+        run.tokens += plan.tokens_per_step
+        run.throughput.add(plan.tokens_per_step)
+        run.due = plan.cadence.due(run, clock(), procs)
+        for cb in callbacks:
+            if reason := cb.on_step(run):
+                run.stop(reason)
+                break
+        if procs.count > 1 and procs.any(run.stopped) and not run.stopped:
+            run.stop("another process stopped (time, signal or STOP file)")  # all stop at this step
+        if run.stopped:
+            return

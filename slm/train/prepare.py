@@ -1,0 +1,260 @@
+"""Everything before the first step: settle the config, make the output dir, set up the data and tokenizer,
+then choose (under --auto-fit) and compile the step, checking its memory against the machine and budget.
+
+The data is set up before jax is imported (the seeds' lesson: tokenization must not compete with a
+half-built model for memory), and the step is compiled once: pre-flight's executable is the one that
+trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from slm.data.heldout import EvalSet, build_eval_set, held_out_split
+from slm.data.packing import prepare_sequences
+from slm.data.sources import HubDataset, LocalFiles, TextSource, resolve_source
+from slm.data.tokenizer import load_tokenizer, train_bpe
+from slm.errors import ConfigError, DatasetError
+from slm.io.tracking import require_wandb
+from slm.memory.estimate import estimate_memory_usage, fit_candidates, parse_size
+from slm.memory.host import available_host_mb, total_ram_gb
+from slm.memory.preflight import MemoryPlan
+from slm.model.sizing import ModelShape, choose_shape, count_params, default_learning_rate, default_vocab_size
+from slm.train.config import PRESETS, Config, apply_preset, auto_preset, validate
+from slm.train.devices import Processes, configure_cpu_devices, enable_compile_cache, init_distributed
+from slm.train.resume import resume_config
+
+Log = Callable[[str], None]
+
+
+def settle_config(c: Config, explicit: set[str] | None, log: Log) -> tuple[Config, Processes]:
+    """Validate, take a resumed run's settings, start the processes and apply --preset."""
+    validate(c)
+    if c.wandb:
+        require_wandb()
+    if c.resume:
+        c = resume_config(c, explicit)
+    # Before anything asks jax for its devices (--preset auto does).
+    procs = init_distributed(c.coordinator_address, c.num_processes, c.process_id, c.cpu_devices)
+    if c.preset and not c.resume:
+        name = c.preset
+        if name == "auto":  # it asks jax for the platform: the host devices must be set up first
+            import jax
+
+            configure_cpu_devices(c.cpu_devices)
+            name = auto_preset(total_ram_gb(), jax.devices()[0].platform)
+        changed = apply_preset(c, name, explicit)
+        if procs.count > 1:  # "auto" reads each host's RAM: process 0's choice for all
+            keys = sorted({k for preset in PRESETS.values() for k in preset})
+            c = dataclasses.replace(c, **procs.decide0(lambda: {k: getattr(c, k) for k in keys}))
+        (log if procs.primary else _silent)(
+            f"[preset] {c.preset}: {', '.join(changed) or 'nothing to change (explicit flags win)'}")
+        validate(c)
+    return c, procs
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+def make_output_dir(c: Config) -> str:
+    """--output-dir (refused if it holds another run, unless resuming), or a new runs/<timestamp>."""
+    out = c.output_dir
+    if out is None:
+        out = base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        n = 1
+        while os.path.exists(out):  # two runs started in the same second
+            out, n = f"{base}-{n}", n + 1
+    elif os.path.exists(os.path.join(out, "config.json")) and not c.resume:
+        raise ConfigError(f"--output-dir {out}: already holds a run (config.json); choose a new directory "
+                          f"so nothing saved there is overwritten")
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".write-test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--output-dir {out}: not writable ({e.strerror}); choose another directory")
+    return out
+
+
+@dataclass
+class TrainData:
+    """The run's data before the model exists: sources, tokenizer, the eval set and (full load) the rows."""
+
+    source: TextSource
+    tokenizer: Any
+    tokenizer_s: float
+    eval_set: EvalSet
+    held_out_documents: int  # the stream's first documents, held out for eval (0: a separate eval source)
+    shape: ModelShape
+    data_mb: float  # the data pipeline's host memory
+    rows: tuple[np.ndarray, np.ndarray] | None  # full load: this process's (inputs, targets)
+
+
+def eval_source_of(c: Config, source: TextSource, log: Log) -> TextSource | None:
+    """--eval-dataset-id (a hub id: its validation split when it has one), else the source's own split."""
+    if not c.eval_dataset_id:
+        return source.validation()
+    eval_source = resolve_source(c.eval_dataset_id, text_column=c.text_column, flag="--eval-dataset-id", log=log)
+    if isinstance(eval_source, HubDataset):
+        eval_source = eval_source.validation() or eval_source
+    return eval_source
+
+
+def hold_out_head(c: Config, source: TextSource) -> list[str]:
+    """The first documents, held out for eval: ~6 chars/token covers --eval-tokens, at most 10% of a file."""
+    budget = c.eval_tokens * 6 if source.size_bytes is None else min(c.eval_tokens * 6, source.size_bytes // 10)
+    docs, rest = held_out_split(source, max(budget, 1))
+    if not docs:
+        raise DatasetError(f"{source.name}: the dataset has no documents (empty file or no text); check --dataset-id")
+    if not rest:
+        raise DatasetError(f"{source.name}: holding out --eval-tokens {c.eval_tokens} leaves nothing to train on; "
+                           f"pass --eval-dataset-id, a smaller --eval-tokens, or more documents")
+    return docs
+
+
+def make_tokenizer(c: Config, source: TextSource, skip_documents: int, out: str, procs: Processes,
+                   log: Log) -> tuple[Any, float]:
+    """--tokenizer, or a BPE trained on the training stream (on process 0, sent to the others: no shared
+    filesystem needed); saved as the run's tokenizer.json. Returns (tokenizer, seconds)."""
+    from tokenizers import Tokenizer
+
+    def build() -> list:
+        t = time.time()
+        if c.tokenizer:
+            tok = load_tokenizer(c.tokenizer)
+        else:
+            tok = train_bpe(source.documents(skip_head=skip_documents), c.vocab_size or default_vocab_size(c.target_params))
+            log(f"[tokenizer] trained a byte-level BPE with {tok.get_vocab_size():,} tokens in {time.time() - t:.1f}s")
+        seconds = time.time() - t
+        tok.save(os.path.join(out, "tokenizer.json"))
+        return [tok.to_str(), seconds] if procs.count > 1 else [tok, seconds]
+
+    tok, seconds = procs.decide0(build)
+    return (Tokenizer.from_str(tok) if isinstance(tok, str) else tok), seconds
+
+
+def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
+    """Sources, held-out set and tokenizer (tokenizer before model, the seeds' lesson), then the shape."""
+    source = resolve_source(c.dataset_id, dataset_config=c.dataset_config, split=c.split,
+                            text_column=c.text_column, streaming=c.use_streaming, log=log)
+    eval_source = eval_source_of(c, source, log)
+    heldout = hold_out_head(c, source) if eval_source is None else []
+    tokenizer, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log)
+    shape = choose_shape(c.target_params, tokenizer.get_vocab_size(), c.n_layers, c.d_model, c.n_heads)
+    c.learning_rate = c.learning_rate or default_learning_rate(count_params(shape))
+    if eval_source is not None:
+        whole = isinstance(eval_source, LocalFiles)  # a separate local file is scored whole, a hub split capped
+        eval_set = build_eval_set(eval_source.documents(), tokenizer, c.seq_len, None if whole else c.eval_tokens,
+                                  eval_source.name)
+    else:
+        eval_set = build_eval_set(heldout, tokenizer, c.seq_len, c.eval_tokens, f"{source.name} (held-out head)")
+    rows = None
+    if c.use_streaming:
+        data_mb = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size)["streaming_mb"]
+    else:
+        inputs, targets = prepare_sequences(source, tokenizer, c.seq_len, c.stride, c.max_examples, len(heldout))
+        rows = inputs[procs.index::procs.count], targets[procs.index::procs.count]  # this process's rows
+        if len(rows[0]) < c.batch_size // procs.count:
+            raise DatasetError(f"{source.name}: {len(rows[0])} sequences, fewer than --batch-size {c.batch_size}")
+        data_mb = (rows[0].nbytes + rows[1].nbytes) / 2**20
+        log(f"[data] full load: {rows[0].shape[0]:,} sequences, {data_mb:.1f} MB in memory")
+    return TrainData(source, tokenizer, tok_s, eval_set, len(heldout), shape, data_mb, rows)
+
+
+FIT_KEYS = ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "use_mixed_precision",
+            "gradient_checkpointing")
+
+
+def fit_choices(c: Config, data: TrainData, procs: Processes) -> list[dict]:
+    """--auto-fit's candidates (process 0's, since each host reads its own free memory); [{}] without it."""
+    import jax
+
+    if not c.auto_fit:
+        return [{}]
+    platform = jax.devices()[0].platform
+
+    def candidates() -> list[dict]:
+        budget = parse_size(c.memory_budget)
+        limit = available_host_mb() if platform == "cpu" else None
+        return fit_candidates(data.shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps,
+                              min(budget, int(limit * 2**20)) if limit else budget, max_devices=len(jax.devices()),
+                              platform=platform, data_mb=data.data_mb,
+                              user=(c.use_8bit_optimizer, c.use_mixed_precision, c.gradient_checkpointing))
+
+    choices = procs.decide0(candidates)
+    if not choices:
+        raise ConfigError(f"--auto-fit: nothing fits --memory-budget {c.memory_budget} for this model "
+                          f"({count_params(data.shape):,} params) at --seq-len {c.seq_len}; raise the budget or "
+                          f"lower --target-params / --seq-len")
+    return choices
+
+
+def plan_step(c: Config, data: TrainData, procs: Processes, log: Log) -> tuple[Any, Any, MemoryPlan]:
+    """Compile the step for the user's settings (or, under --auto-fit, the best candidates until XLA agrees
+    one fits) and check it against the machine and --memory-budget. Returns (built, compiled, plan); `c`
+    takes the chosen settings."""
+    configure_cpu_devices(c.cpu_devices)  # before jax's backend starts: it is first imported here
+    enable_compile_cache()
+    from slm.train.builder import StepSpec, build, training_mesh
+
+    budget = parse_size(c.memory_budget) / 2**20 if c.memory_budget else None
+    choices = fit_choices(c, data, procs)
+    for i, choice in enumerate(choices[:4]):  # XLA has the last word: compile and check the best few
+        for k in FIT_KEYS:
+            setattr(c, k, choice.get(k, getattr(c, k)))
+        built = build(StepSpec.from_config(c, data.shape), training_mesh(c.batch_size, bool(c.cpu_devices)))
+        compiled, plan = memory_plan(c, built, data, budget * 0.9 if c.auto_fit and budget else budget)
+        refusal = next((r for r in procs.gather(plan.refusal) if r), None)  # one host's refusal is everyone's
+        if refusal is None:
+            break
+        if not c.auto_fit:
+            for line in plan.describe():
+                log(line)
+            raise ConfigError(refusal)
+    else:
+        raise ConfigError(f"--auto-fit: none of the {i + 1} best candidates fits once compiled (last: "
+                          f"{refusal}); raise the budget or lower --target-params / --seq-len")
+    if c.auto_fit:
+        on = {True: "on", False: "off"}
+        log(f"[auto-fit] --memory-budget {c.memory_budget}: micro-batch {c.batch_size} x accumulation "
+            f"{c.gradient_accumulation_steps} (effective batch kept), 8-bit state {on[c.use_8bit_optimizer]}, "
+            f"mixed precision {on[c.use_mixed_precision]}, gradient checkpointing {on[c.gradient_checkpointing]}: "
+            f"the cheapest setting (speed) predicted to fit with a 10% margin ({i + 1} compiled to confirm)")
+    for line in plan.describe():
+        log(line)
+    return built, compiled, plan
+
+
+def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None) -> tuple[Any, MemoryPlan]:
+    """Compile `built`'s step and put XLA's figure beside the estimate and the machine's limit:
+    (the compiled step, the plan)."""
+    import jax
+
+    from slm.train.builder import compile_step
+
+    compiled, compile_s, compiled_mb = compile_step(built)
+    mesh = built.mesh
+    n_dev, platform = int(mesh.devices.size), mesh.devices.flat[0].platform
+    est = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size, shape=data.shape,
+                                mixed_precision=c.use_mixed_precision, use_8bit_optimizer=c.use_8bit_optimizer,
+                                gradient_accumulation_steps=c.gradient_accumulation_steps,
+                                gradient_checkpointing=c.gradient_checkpointing, streaming=c.use_streaming,
+                                devices=n_dev, platform=platform, sharding=c.sharding)
+    est["data_pipeline_mb"] = round(data.data_mb, 3)
+    if platform == "cpu":
+        limit = available_host_mb()
+    else:
+        stats = mesh.devices.flat[0].memory_stats() or {}
+        limit = stats["bytes_limit"] / 2**20 if "bytes_limit" in stats else None
+    local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())  # this host's share
+    return compiled, MemoryPlan(est, compiled_mb, compile_s, platform, n_dev, local, data.data_mb, limit, budget_mb)

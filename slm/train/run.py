@@ -1,0 +1,343 @@
+"""train(Config(...)): one run, from a notebook or the command line (slm.cli.train).
+
+    from train_optimized import Config, train          # or: from slm.train.run import Config, train
+    summary = train(Config(use_streaming=True, dataset_id="data.txt", target_params=1_000_000, max_time=120))
+
+The run: settle the config, set up the data and tokenizer, compile the step and check its memory
+(slm.train.prepare); build or restore the state; then the loop (slm.train.loop) with its callbacks
+(slm.train.callbacks); then the final eval, save and summary.json. Whatever happens, the files, the
+checkpoint manager, the prefetch thread and the memory monitor are closed when train() returns or raises.
+The clock, the signal watcher and the disk-space probe are arguments, so tests need not patch globals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from slm.data.packing import full_load_batches
+from slm.data.stream import StreamingDataLoader
+from slm.errors import ConfigError, DatasetError
+from slm.io.checkpoints import Checkpointer
+from slm.io.metrics import MetricsLog
+from slm.io.tracking import Trackers
+from slm.memory.host import peak_rss_mb
+from slm.memory.monitor import MemoryMonitor
+from slm.memory.preflight import MemoryPlan
+from slm.model.sizing import describe, flops_per_token
+from slm.optim.schedule import warmup_for
+from slm.train.config import Config, RunFacts
+from slm.train.devices import Processes
+from slm.train.interrupts import SignalWatcher
+from slm.train.loop import Callback, Cadence, LoopPlan, RunState, Schedule, run_loop
+from slm.train.prepare import TrainData, make_output_dir, plan_step, settle_config, setup_data
+
+__all__ = ["Config", "train"]
+Log = Callable[[str], None]
+
+
+@dataclass
+class Env:
+    """Where and how a run happens: its output dir, its clock and start, its log, processes and signals."""
+
+    out: str
+    start: float
+    log: Log
+    procs: Processes
+    signals: SignalWatcher
+    clock: Callable[[], float]
+    disk_usage: Callable[[str], Any]
+    monitor: MemoryMonitor
+    stack: ExitStack  # everything to close when the run ends, however it ends
+
+
+def train(config: Config, start_time: float | None = None, log: Log = print, explicit: set[str] | None = None,
+          callbacks: Sequence[Callback] = (), signals: SignalWatcher | None = None,
+          clock: Callable[[], float] = time.time, disk_usage: Callable[[str], Any] = shutil.disk_usage) -> dict:
+    """Run training as configured; returns the summary (also written to summary.json).
+
+    start_time: what --max-time counts from (default: now). explicit: the flags given on the command line
+    (default: the fields that differ from Config's defaults). callbacks: extra slm.train.loop.Callbacks,
+    called after the trainer's own. signals: a SignalWatcher (default: SIGTERM/SIGINT handlers while training).
+    """
+    c = dataclasses.replace(config)
+    start = clock() if start_time is None else start_time
+    c, procs = settle_config(c, explicit, log)
+    if not procs.primary:
+        log = _silent  # one process speaks for all
+    # Process 0 makes (or checks) the output dir; every process learns its name, or the error.
+    out = procs.decide0(lambda: os.path.abspath(make_output_dir(c)) if procs.count > 1 else make_output_dir(c))
+    os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
+    with ExitStack() as stack:
+        monitor = stack.enter_context(MemoryMonitor(alert_mb=c.memory_alert_mb, on_alert=log))  # RSS from here on
+        signals = signals if signals is not None else stack.enter_context(SignalWatcher(log))
+        env = Env(out, start, log, procs, signals, clock, disk_usage, monitor, stack)
+        data = setup_data(c, out, procs, log)
+        built, compiled, plan = plan_step(c, data, procs, log)
+        return _train(c, data, built, compiled, plan, env, list(callbacks))
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+@dataclass
+class DeviceStep:
+    """The compiled step on host batches: each process's rows become one global array split over the mesh.
+    Multi-device CPU keeps one step in flight (slm.train.devices explains the all-reduce deadlock)."""
+
+    compiled: Any
+    batch_sharding: Any
+    sync: bool
+
+    def __call__(self, state: Any, batch: dict, lr: np.float32) -> tuple[Any, dict]:
+        from slm.train.devices import global_batch
+
+        state, metrics = self.compiled(state, global_batch(batch, self.batch_sharding), lr)
+        if self.sync:
+            metrics["loss"].block_until_ready()
+        return state, metrics
+
+
+@dataclass
+class Batches:
+    """Opens an epoch's batches: the streaming loader (from its saved stream state when resuming) or a
+    permutation of the full-load rows (skipping the micro-batches a resumed epoch already had)."""
+
+    loader: StreamingDataLoader | None
+    rows: tuple[np.ndarray, np.ndarray] | None
+    local_batch: int
+    seed: int
+    resume_state: dict | None = None
+    resume_micro: int = 0
+
+    def open(self, epoch: int, continuing: bool) -> Iterator[dict]:
+        if self.loader is not None:
+            return self.loader.iter_epoch(epoch, self.resume_state if continuing else None)
+        batches = full_load_batches(*self.rows, self.local_batch, self.seed, epoch)
+        return itertools.islice(batches, self.resume_micro, None) if continuing else batches
+
+
+def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPlan, env: Env,
+           extra: list[Callback]) -> dict:
+    import jax
+
+    from slm.memory.monitor import jax_device_bytes
+    from slm.train.builder import init_state
+    from slm.train.devices import device_bytes, needs_step_sync
+
+    procs, mesh = env.procs, built.mesh
+    if c.batch_size % procs.count:
+        raise ConfigError(f"--batch-size {c.batch_size} does not split evenly over {procs.count} processes; "
+                          f"use a multiple of {procs.count}")
+    env.monitor.device_bytes = jax_device_bytes(mesh.devices.flat[0])
+    state = init_state(built)
+    lplan = loop_plan(c, data, env.start)
+    peak = peak_flops(mesh, procs)
+    facts, resolved = write_config(c, data, built, plan, state, lplan, peak, env)
+    assert sum(x.size for x in jax.tree.leaves(state.params)) == facts.params
+    ckpt = Checkpointer(os.path.join(env.out, "checkpoints"), keep=c.keep_checkpoints, log=env.log)
+    env.stack.callback(ckpt.close)
+    check_disk(c, env, state)
+    run, resumed = restore(c, ckpt, state, estimated_total_tokens(c, data), env)
+    loader = None
+    if c.use_streaming:  # built now: --auto-fit may have changed the micro-batch
+        loader = StreamingDataLoader(data.source, data.tokenizer, seq_len=c.seq_len,
+                                     batch_size=c.batch_size // procs.count,
+                                     shuffle_buffer_size=c.shuffle_buffer_size, seed=c.seed, stride=c.stride,
+                                     max_examples=c.max_examples, skip_documents=data.held_out_documents,
+                                     shard=(procs.index, procs.count) if procs.count > 1 else None)
+    batches = Batches(loader, data.rows, c.batch_size // procs.count, c.seed, resumed.get("loader"),
+                      run.epoch_micro)
+    callbacks = make_callbacks(c, data, built, facts, resolved, peak[0], ckpt, loader, env, resumed) + extra
+    for cb in callbacks:
+        env.stack.callback(cb.close)
+    run_loop(run, DeviceStep(compiled, built.batch_sharding, needs_step_sync(mesh)), batches.open, callbacks, lplan,
+             procs, env.clock, resumed=bool(resumed))
+    if run.step == 0:
+        raise DatasetError(f"{data.source.name}: no complete optimizer step was possible; use more data or a "
+                           f"smaller batch")
+    env.log(f"[run] stopped: {run.stop_reason}")
+    for cb in callbacks:
+        cb.on_train_end(run)
+    for cb in callbacks:
+        cb.close()
+    return summarize(c, run, data, facts, plan, peak[0], env, resumed, device_bytes(run.train_state) / 2**20)
+
+
+def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state: Any, lplan: LoopPlan,
+                 peak: tuple[float, str], env: Env) -> tuple[RunFacts, dict]:
+    """config.json (the resolved settings and the run's facts; process 0), and the run's opening lines.
+    Returns (the facts, config.json's contents)."""
+    import jax
+
+    from slm.optim.adam8bit import state_bytes
+    from slm.train.devices import device_bytes
+
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    opt_bytes = state_bytes(state.opt_state)  # == slm.model.sizing.optimizer_state_bytes (tested)
+    mesh, procs = built.mesh, env.procs
+    device = mesh.devices.flat[0]
+    facts = RunFacts(dataset=data.source.name, eval_dataset=data.eval_set.name, model=data.shape.to_dict(),
+                     params=n_params, model_flops_per_token=flops_per_token(data.shape, c.seq_len),
+                     optimizer_state_bytes=opt_bytes, memory_plan=plan.record(),
+                     held_out_documents=data.held_out_documents, device=str(device), devices=int(mesh.devices.size),
+                     processes=procs.count, jax_version=jax.__version__)
+    resolved = {**dataclasses.asdict(c), "output_dir": env.out, "vocab_size": data.shape.vocab_size,
+                "stride": c.stride or c.seq_len, "warmup_steps": lplan.schedule.warmup,
+                **dataclasses.asdict(facts)}
+    if procs.primary:
+        with open(os.path.join(env.out, "config.json"), "w") as f:
+            json.dump(resolved, f, indent=2)
+    acc, n_dev = c.gradient_accumulation_steps, facts.devices
+    env.log(f"[model] {describe(data.shape, c.seq_len)}")
+    env.log(f"[optimizer] AdamW, {'8-bit block-quantized' if c.use_8bit_optimizer else 'float32'} moments"
+            f"{', MultiSteps x' + str(acc) if acc > 1 else ''}: state {opt_bytes / 2**20:,.2f} MB "
+            f"({opt_bytes / n_params:.2f} bytes/param)")
+    env.log(f"[run] {n_dev} {device.platform} device(s){f' in {procs.count} processes' if procs.count > 1 else ''}, "
+            f"batch split over them, state {'split (fsdp)' if c.sharding == 'fsdp' and n_dev > 1 else 'replicated (dp)'}: "
+            f"{device_bytes(state) / 2**20:,.1f} MB/device; peak {peak[0] / 1e9:,.0f} GFLOP/s ({peak[1]}); "
+            f"{c.batch_size * c.seq_len * acc:,} tokens/step; eval on {data.eval_set.name}: "
+            f"{int(data.eval_set.mask.sum()):,} tokens; out {env.out}")
+    return facts, resolved
+
+
+def peak_flops(mesh: Any, procs: Processes) -> tuple[float, str]:
+    """The run's peak FLOP/s for MFU: the published peak x devices on accelerators, the host's measured
+    peak x processes on CPU (one process per host)."""
+    from slm.train.throughput import device_peak_flops
+
+    device = mesh.devices.flat[0]
+    peak, source = device_peak_flops(device)
+    return peak * (mesh.devices.size if device.platform != "cpu" else procs.count), source
+
+
+def loop_plan(c: Config, data: TrainData, start: float) -> LoopPlan:
+    """The schedule (warmup capped at 20% of a run of known length) and the cadence of logs, evals, saves."""
+    tokens_per_step = c.batch_size * c.seq_len * c.gradient_accumulation_steps
+    est_total_tokens = estimated_total_tokens(c, data)
+    warmup = warmup_for(c.warmup_steps, c.max_steps,
+                        est_total_tokens / tokens_per_step if est_total_tokens is not None else None)
+    epochs = c.epochs or (10**9 if (c.max_steps or c.max_time) else 1)
+    schedule = Schedule(c.learning_rate, warmup, c.max_steps, c.max_time, start, epochs)
+    cadence = Cadence(c.log_every, c.eval_every, c.checkpoint_every, c.checkpoint_minutes)
+    return LoopPlan(epochs, c.gradient_accumulation_steps, tokens_per_step, c.batch_size * c.seq_len, schedule,
+                    cadence)
+
+
+def estimated_total_tokens(c: Config, data: TrainData) -> float | None:
+    """An epochs-bounded run's length until epoch 0 has been counted: bytes / (bytes per token), more
+    tokens with overlapping windows. None when --max-steps/--max-time bound the run, or the size is unknown."""
+    if c.max_steps is not None or c.max_time is not None or not data.source.size_bytes:
+        return None
+    bytes_per_token = max(data.eval_set.n_bytes / data.eval_set.mask.sum(), 1.0)
+    return (c.epochs or 1) * data.source.size_bytes / bytes_per_token * c.seq_len / (c.stride or c.seq_len)
+
+
+def check_disk(c: Config, env: Env, state: Any) -> None:
+    """Refuse an output dir without room for --keep-checkpoints + 1 checkpoints (state + the stream's text)."""
+    from slm.optim.adam8bit import state_bytes
+
+    ckpt_mb = state_bytes(state) / 2**20 + (c.shuffle_buffer_size * 1_000 / 2**20 if c.use_streaming else 0.0)
+    free_mb = env.disk_usage(env.out).free / 2**20
+    need = (c.keep_checkpoints + 1) * ckpt_mb
+    if free_mb < need:
+        raise ConfigError(f"--output-dir {env.out}: {free_mb:,.0f} MB free, but {c.keep_checkpoints + 1} checkpoints "
+                          f"of ~{ckpt_mb:,.0f} MB need {need:,.0f} MB; free space, choose another directory or "
+                          f"lower --keep-checkpoints")
+
+
+def restore(c: Config, ckpt: Checkpointer, state: Any, est: float | None, env: Env) -> tuple[RunState, dict]:
+    """A fresh RunState, or (--resume) the newest complete checkpoint's: (run, {"meta", "loader"} or {})."""
+    if not c.resume:
+        return RunState(train_state=state, est_total_tokens=est), {}
+    ckpt_dir, procs = os.path.join(env.out, "checkpoints"), env.procs
+    for partial in sorted(p for p in os.listdir(ckpt_dir) if "tmp" in p):
+        env.log(f"[resume] warning: skipping incomplete checkpoint {partial} (interrupted save)")
+    if ckpt.latest_step() is None:
+        raise ConfigError(f"--resume {env.out}: no complete checkpoint in {ckpt_dir} (an interrupted save is skipped)")
+    state, meta, loader_state = ckpt.restore(state)  # restored with the live state's shardings
+    if meta.get("processes", 1) != procs.count:
+        raise ConfigError(f"--resume {env.out}: the run was saved by {meta.get('processes', 1)} process(es), each "
+                          f"with its own part of the data; resume it with --num-processes {meta.get('processes', 1)} "
+                          f"(devices per process may change)")
+    if procs.count > 1 and c.use_streaming:
+        mine = loader_state["processes"][procs.index]
+        meta, loader_state = {**meta, "data_digest": mine["digest"]}, mine["loader"]
+    env.log(f"[resume] step {meta['step']} of {env.out}: {meta['tokens']:,} tokens, epoch {meta['epoch']}")
+    run = RunState.from_meta({"est_total_tokens": est, **meta}, train_state=state)
+    return run, {"meta": meta, "loader": loader_state}
+
+
+def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, resolved: dict, peak: float,
+                   ckpt: Checkpointer, loader: StreamingDataLoader | None, env: Env, resumed: dict) -> list[Callback]:
+    """The trainer's callbacks in their order (slm.train.callbacks), with their sinks."""
+    from slm.train.callbacks import (Console, Emitter, Evaluate, LogMetrics, LossPlot, NonFiniteGuard,
+                                     SaveCheckpoints, StopConditions, progress_bar)
+    from slm.train.evaluate import Evaluator
+
+    procs, out, log, clock = env.procs, env.out, env.log, env.clock
+    metrics = MetricsLog(os.path.join(out, "metrics.jsonl") if procs.primary else os.devnull, append=bool(c.resume))
+    trackers = None
+    if procs.primary:
+        trackers = Trackers(out, resolved, use_wandb=c.wandb, wandb_project=c.wandb_project,
+                            purge_step=resumed["meta"]["step"] + 1 if resumed else None)
+    console = Console(log, progress_bar(c.max_steps) if procs.primary else None)
+    emit = Emitter(metrics, trackers, console)
+    plot = LossPlot(out, procs.primary, log, emit)
+    evaluator = Evaluator(built.model, data.eval_set, c.batch_size, built.batch_sharding, data.tokenizer, c.seq_len,
+                          c.seed, procs, env.signals, os.path.join(out, "samples.txt") if procs.primary else None)
+    monitor = env.monitor
+    return [console,
+            LogMetrics(emit, facts.model_flops_per_token, peak, facts.devices, env.start, lambda: monitor.device_mb,
+                       clock),
+            NonFiniteGuard(c.skip_nonfinite, c.gradient_accumulation_steps, log),
+            Evaluate(evaluator, emit, plot, env.signals, procs, log, clock),
+            SaveCheckpoints(ckpt, loader.state_json if loader is not None else None, procs, clock),
+            StopConditions(c.max_steps, c.max_time, env.start, env.signals, out, clock),
+            plot, emit]
+
+
+def summarize(c: Config, run: RunState, data: TrainData, facts: RunFacts, plan: MemoryPlan, peak: float, env: Env,
+              resumed: dict, state_mb: float) -> dict:
+    """summary.json (process 0) and the [done] line: the run's outcome, speed and memory."""
+    t = run.timings
+    # This process's tokens; the first micro-step ran in the compile/start-up window.
+    trained = run.tokens - resumed.get("meta", {}).get("tokens", 0) - c.batch_size * c.seq_len
+    train_s = max(t.train_s, 1e-9)
+    ev = run.last_eval or {"eval_loss": None, "eval_ppl": None, "eval_bpb": None}
+    memory = env.monitor.snapshot()
+    summary = {
+        "eval_loss": ev["eval_loss"], "eval_ppl": ev["eval_ppl"], "eval_bpb": ev["eval_bpb"],
+        "params": facts.params, "steps": run.step, "tokens": run.tokens, "epochs_started": run.epoch + 1,
+        "wall_time_s": env.clock() - env.start, "train_time_s": t.train_s,
+        "compile_time_s": (t.compile_s or 0.0) + plan.compile_s, "first_batch_time_s": t.first_batch_s,
+        "eval_time_s": t.eval_s, "tokenizer_time_s": data.tokenizer_s,
+        "tokens_per_sec": trained / train_s, "tokens_per_sec_per_device": trained / train_s / facts.devices,
+        "devices": facts.devices, "processes": facts.processes, "sharding": c.sharding, "state_mb_per_device": state_mb,
+        "model_flops_per_token": facts.model_flops_per_token,
+        "mfu": facts.model_flops_per_token * trained / train_s / peak, "peak_flops": peak,
+        "data_wait_frac": t.wait_s / train_s,
+        "peak_rss_mb": max(peak_rss_mb(), memory["peak_rss_mb"]), "peak_device_mb": memory["peak_device_mb"],
+        **plan.record(), "optimizer_state_bytes": facts.optimizer_state_bytes, "stop_reason": run.stop_reason,
+        "output_dir": env.out, "data_digest": run.data_digest, "skipped_nonfinite": run.skipped_nonfinite,
+    }
+    if env.procs.primary:
+        with open(os.path.join(env.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    scored = (f"eval loss {ev['eval_loss']:.4f} | bpb {ev['eval_bpb']:.4f}" if run.last_eval
+              else "no eval (stopped by a signal)")
+    env.log(f"[done] {run.step} steps, {run.tokens:,} tokens in {summary['wall_time_s']:.0f}s | {scored} "
+            f"| {summary['tokens_per_sec']:,.0f} tok/s | mfu {summary['mfu']:.1%} "
+            f"| peak rss {summary['peak_rss_mb']:,.0f} MB | {env.out}")
+    return summary

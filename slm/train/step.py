@@ -1,0 +1,67 @@
+"""The train state and the jitted train and eval steps: pure functions over explicit pytree state.
+
+The learning rate is an argument of the jitted step rather than an optax schedule, so the trainer can
+drive it by optimizer step *or* by the fraction of a --max-time budget spent (slm.optim.schedule).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from slm.model.transformer import Transformer, token_nll
+
+PyTree = Any
+
+
+@flax.struct.dataclass
+class TrainState:
+    micro_step: jax.Array  # micro-batches seen; optimizer step = micro_step // accumulation
+    params: PyTree
+    opt_state: PyTree
+
+
+def init_state(params: PyTree, tx: optax.GradientTransformation) -> TrainState:
+    """Step 0: the parameters and the optimizer's fresh state."""
+    return TrainState(micro_step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def make_train_step(model: Transformer, tx: optax.GradientTransformation, state_sharding: PyTree = None,
+                    batch_sharding: Any = None):
+    """jit(state, batch, lr) -> (state, metrics); the old state's buffers are donated.
+
+    With shardings (slm.train.devices.state_shardings / the mesh's batch sharding) the step's inputs and outputs
+    are pinned to them: the state leaves the step laid out as it came in (replicated for DP, split for
+    FSDP) and the metrics are replicated scalars.
+    """
+
+    def loss_fn(params: PyTree, batch: dict) -> jax.Array:
+        return token_nll(model, params, batch["input_ids"], batch["targets"]).mean()
+
+    def step(state: TrainState, batch: dict, lr: jax.Array) -> tuple[TrainState, dict]:
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), state.params, updates)
+        new_state = TrainState(micro_step=state.micro_step + 1, params=params, opt_state=opt_state)
+        grad_norm = optax.tree.norm(grads)
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
+
+    if state_sharding is None:
+        return jax.jit(step, donate_argnums=0)
+    replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding, replicated),
+                   out_shardings=(state_sharding, replicated))
+
+
+def make_eval_step(model: Transformer):
+    """jit(params, ids, targets, mask) -> (sum of nats over mask, number of tokens)."""
+
+    def step(params: PyTree, ids: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+        nll = token_nll(model, params, ids, targets)
+        return jnp.sum(nll * mask), jnp.sum(mask)
+
+    return jax.jit(step)

@@ -1,0 +1,122 @@
+"""Throughput: the tokens/s window between log lines, and the device's peak FLOP/s that MFU divides by."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+# Dense bf16 peak FLOP/s per device from vendor datasheets (no sparsity).
+PUBLISHED_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
+    "V100": 125e12,
+    "T4": 65e12,
+    "TPU v6": 918e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 197e12,  # v5e / v5 lite
+    "TPU v4": 275e12,
+    "TPU v3": 123e12,
+}
+
+
+def device_peak_flops(device) -> tuple[float, str]:
+    """(peak FLOP/s, where the figure comes from) for one jax device.
+
+    Accelerators: the table above. CPU: measured here with a large jitted float32 matmul (~0.5 s),
+    since CPUs vary too much for a table.
+    """
+    kind = getattr(device, "device_kind", "") or ""
+    for name, flops in PUBLISHED_PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops, f"published bf16 peak of {name}"
+    if device.platform == "cpu":
+        return cpu_peak_flops()
+    return float("nan"), f"unknown device kind {kind!r}"
+
+
+def cpu_peak_flops(cache: str = os.path.join(os.path.expanduser("~"), ".cache", "slm-trainer", "cpu_peak.json")):
+    """Measured CPU peak, remembered per CPU model and core count as the best seen so far.
+
+    A single measurement reads low while other processes share the cores, which would inflate MFU;
+    keeping the best across runs makes MFU comparable between runs on the same machine.
+    """
+    key = f"{_cpu_model()} x{os.cpu_count()}"
+    measured = measure_matmul_flops()
+    try:
+        with open(cache) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        known = {}
+    best = max(measured, float(known.get(key, 0.0)))
+    if best > known.get(key, 0.0):
+        try:
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            with open(cache, "w") as f:
+                json.dump({**known, key: best}, f)
+        except OSError:
+            pass
+    return best, f"best measured 2048^3 float32 matmul ({measured / 1e9:.0f} GFLOP/s this run)"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def measure_matmul_flops(n: int = 2048, reps: int = 3) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda a, b: a @ b)
+    a = jnp.ones((n, n), jnp.float32)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+@dataclass
+class Throughput:
+    """Tokens and data-wait seconds since the last log line; eval and start-up time are kept out.
+
+    `start(now, tokens)` opens a window (tokens < 0 when a micro-batch already counted ran before it),
+    `rate(now)` gives (tokens/s, data-wait fraction) of the window so far, and `pause(seconds)` moves the
+    window's start past time spent outside training (an eval).
+    """
+
+    started: float = 0.0
+    tokens: int = 0
+    wait_s: float = 0.0
+
+    def start(self, now: float, tokens: int = 0) -> None:
+        self.started, self.tokens, self.wait_s = now, tokens, 0.0
+
+    def add(self, tokens: int = 0, wait_s: float = 0.0) -> None:
+        self.tokens += tokens
+        self.wait_s += wait_s
+
+    def pause(self, seconds: float) -> None:
+        self.started += seconds
+
+    def rate(self, now: float) -> tuple[float, float]:
+        elapsed = max(now - self.started, 1e-9)
+        return self.tokens / elapsed, self.wait_s / elapsed
+

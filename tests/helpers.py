@@ -1,0 +1,35 @@
+"""What several test files share: where the repository and the shared corpora are, and small readers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from slm.data.readers import read_file
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+
+
+def read_docs(path, **kw) -> list[str]:
+    """Every document of one local file, as the trainer's reader yields them."""
+    return list(read_file(str(path), **kw))
+
+
+def token_stream(tok, docs, eot) -> np.ndarray:
+    """The reference packed stream, built without encode_documents: each doc's ids then EOT."""
+    out: list[int] = []
+    for d in docs:
+        out += tok.encode(d, add_special_tokens=False).ids
+        out.append(eot)
+    return np.array(out, dtype=np.int32)
+
+
+def collect(loader, epoch: int | None = None) -> list[dict]:
+    it = loader if epoch is None else loader.iter_epoch(epoch)
+    return [{k: v.copy() for k, v in b.items()} for b in it]
+
+
+def rows_of(batches) -> np.ndarray:
+    return np.concatenate([b["input_ids"] for b in batches])

@@ -1,0 +1,118 @@
+"""Memory: the whole-run estimate, its accuracy against XLA, pre-flight refusal, auto-fit, presets, alert, STOP."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from helpers import ROOT
+from slm.memory.estimate import MB, MemoryEstimate, device_breakdown, parse_size
+from slm.model.transformer import Transformer, init_params
+from slm.model.sizing import choose_shape, count_params
+from slm.train.builder import compiled_memory
+from slm.memory.estimate import estimate_memory_usage
+from slm.optim.optimizer import make_optimizer
+from slm.train.step import init_state, make_train_step
+
+
+def test_seed_call_and_keys_unchanged():
+    e = estimate_memory_usage(num_sequences=100000, seq_len=128, batch_size=32)
+    assert e["full_load_mb"] == 97.656 and e["memory_savings"] == "88.38%" and "params_mb" not in e
+    assert isinstance(e, dict)
+
+
+def test_whole_run_breakdown_arithmetic():
+    shape = choose_shape(1_000_000, 1024)
+    n = count_params(shape)
+    e = estimate_memory_usage(1000, 128, 32, target_params=1_000_000)
+    assert e["params_mb"] == round(4 * n / MB, 3) and e["gradients_mb"] == e["params_mb"]
+    assert abs(e["optimizer_state_mb"] - 8 * n / MB) < 0.01 and e["accumulation_mb"] == 0
+    parts = ("params_mb", "gradients_mb", "optimizer_state_mb", "accumulation_mb", "activations_mb", "logits_mb")
+    assert abs(e["device_total_mb"] - sum(e[k] for k in parts)) < 0.01
+    assert abs(e["host_rss_mb"] - (e["framework_mb"] + e["streaming_mb"] + e["device_total_mb"])) < 0.01
+    q = estimate_memory_usage(1000, 128, 32, target_params=1_000_000, use_8bit_optimizer=True, gradient_accumulation_steps=4)
+    assert 2.0 * n / MB < q["optimizer_state_mb"] < 2.1 * n / MB and abs(q["accumulation_mb"] - 4 * n / MB) < 0.01
+    # Activations and logits are per token: twice the batch, twice the memory; two devices halve each one's.
+    b2 = estimate_memory_usage(1000, 128, 64, target_params=1_000_000)
+    assert abs(b2["activations_mb"] - 2 * e["activations_mb"]) < 0.01
+    d2 = estimate_memory_usage(1000, 128, 64, target_params=1_000_000, devices=2)
+    d4 = estimate_memory_usage(1000, 128, 128, target_params=1_000_000, devices=2)
+    assert abs(d4["activations_mb"] - 2 * d2["activations_mb"]) < 0.01  # per device: batch / devices
+    assert d2["host_rss_mb"] > e["host_rss_mb"] + e["params_mb"]  # each host device holds a replica
+    gpu = estimate_memory_usage(1000, 128, 32, target_params=1_000_000, platform="gpu")
+    assert gpu["host_rss_mb"] < e["host_rss_mb"]  # device memory is not host RSS there
+    assert estimate_memory_usage(1000, 128, 32, target_params=1_000_000, gradient_checkpointing=True)["activations_mb"] \
+        < e["activations_mb"]
+    full = estimate_memory_usage(10**6, 128, 32, target_params=1_000_000, streaming=False)
+    assert full["data_pipeline_mb"] == full["full_load_mb"] > e["data_pipeline_mb"]
+
+
+def test_estimate_prints_as_a_table_and_stays_a_dict():
+    e = estimate_memory_usage(1000, 128, 32, target_params=1_000_000)
+    assert isinstance(e, MemoryEstimate) and isinstance(e, dict)
+    text = repr(e)
+    assert "device_total_mb" in text and len(text.splitlines()) == len(e)
+    assert e._repr_html_().startswith("<table>") and "host_rss_mb" in e._repr_html_()
+
+
+def test_estimate_imports_no_jax():
+    code = ("import sys; from slm.memory.estimate import estimate_memory_usage as e; "
+            "e(1000, 128, 32, target_params=10_000_000); assert 'jax' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+@pytest.mark.parametrize("target,batch,seq,remat,bf16,eight,acc", [
+    (300_000, 16, 64, False, False, False, 1),
+    (1_000_000, 32, 128, False, True, True, 2),
+    (3_000_000, 8, 256, True, False, False, 1),
+])
+def test_estimate_within_15_percent_of_xla_memory_analysis(target, batch, seq, remat, bf16, eight, acc):
+    shape = choose_shape(target, 1024)
+    model = Transformer(shape, dtype=jnp.bfloat16 if bf16 else jnp.float32, remat=remat)
+    tx = make_optimizer(use_8bit=eight, accumulation=acc)
+    state = jax.eval_shape(lambda: init_state(init_params(model, 0, seq), tx))
+    spec = jax.eval_shape(lambda: {k: jnp.zeros((batch, seq), jnp.int32) for k in ("input_ids", "targets")})
+    xla = compiled_memory(make_train_step(model, tx), state, spec, jnp.float32(1e-3))["peak"]
+    est = device_breakdown(shape, seq, batch, mixed_precision=bf16, gradient_checkpointing=remat,
+                           use_8bit_optimizer=eight, gradient_accumulation_steps=acc)["total"]
+    assert abs(est / xla - 1) <= 0.15, (est / MB, xla / MB)
+
+
+def test_estimate_memory_usage():
+    est = estimate_memory_usage(num_sequences=100000, seq_len=128, batch_size=32)
+    assert {"full_load_mb", "streaming_mb", "memory_savings"} <= set(est)
+    assert est["full_load_mb"] == round(100000 * 128 * 2 * 4 / 2**20, 3) == 97.656
+    assert est["streaming_mb"] < est["full_load_mb"]
+    assert est["memory_savings"].endswith("%")
+    assert float(est["memory_savings"][:-1]) == pytest.approx(100 * (1 - est["streaming_mb"] / est["full_load_mb"]),
+                                                               abs=0.01)
+    big = estimate_memory_usage(num_sequences=1_000_000, seq_len=128, batch_size=32)
+    assert big["full_load_mb"] == round(1_000_000 * 128 * 8 / 2**20, 3)
+    assert big["full_load_mb"] == pytest.approx(10 * est["full_load_mb"], abs=0.01)  # linear in num_sequences
+    assert big["streaming_mb"] == est["streaming_mb"]
+    assert float(big["memory_savings"][:-1]) > float(est["memory_savings"][:-1])
+    no_buffer = estimate_memory_usage(100000, 128, 32, shuffle_buffer_size=0)
+    assert no_buffer["streaming_mb"] < est["streaming_mb"]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("8GB", 8 * 2**30), ("8gib", 8 * 2**30), ("1.5G", int(1.5 * 2**30)), ("512MB", 512 * MB),
+    ("800MiB", 800 * MB), ("2048", 2048 * MB), (" 2 gb ", 2 * 2**30), ("64k", 64 * 1024),
+    ("1TB", 2**40), ("100B", 100), (".5g", 2**29), ("0.25m", MB // 4),
+])
+def test_parse_size_good(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["8XB", "", "GB", "-1GB", "0", "1.2.3G", "8 G B", "nan", "inf", "1e3MB", "8GBs"])
+def test_parse_size_bad(text):
+    with pytest.raises(ValueError) as e:
+        parse_size(text)
+    assert str(e.value) == f"--memory-budget {text!r}: use a size like 8GB or 512MB"
+
+
+def test_parse_size_flag_in_message():
+    with pytest.raises(ValueError, match=r"^--budget '8XB': use a size like 8GB or 512MB$"):
+        parse_size("8XB", flag="--budget")

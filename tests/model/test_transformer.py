@@ -1,0 +1,95 @@
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from slm.model.transformer import Transformer, init_params, token_nll
+from slm.model.sizing import ModelShape, choose_shape, count_params, default_vocab_size
+
+SMALL = ModelShape(vocab_size=97, n_layers=2, d_model=64, n_heads=2, d_ff=160)
+
+
+def _batch(shape: ModelShape, B=2, L=16, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, shape.vocab_size, (B, L + 1)).astype(np.int32)
+    return jnp.asarray(ids[:, :-1]), jnp.asarray(ids[:, 1:])
+
+
+@pytest.mark.parametrize("target", [100_000, 1_000_000, 10_000_000, 100_000_000])
+def test_param_count_equals_initialised_model(target):
+    shape = choose_shape(target, default_vocab_size(target))
+    model = Transformer(shape)
+    abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(abstract)) == count_params(shape)
+
+
+def test_initial_loss_is_near_uniform():
+    model = Transformer(SMALL)
+    params = init_params(model, 0, 16)
+    x, y = _batch(SMALL)
+    loss = float(token_nll(model, params, x, y).mean())
+    assert abs(loss - math.log(SMALL.vocab_size)) < 0.05
+
+
+def test_causal_no_information_from_later_tokens():
+    model = Transformer(SMALL)
+    params = init_params(model, 0, 16)
+    x, _ = _batch(SMALL)
+    base = model.apply({"params": params}, x)
+    for t in (0, 5, 15):
+        changed = x.at[:, t:].set((x[:, t:] + 7) % SMALL.vocab_size)
+        out = model.apply({"params": params}, changed)
+        np.testing.assert_array_equal(np.asarray(out[:, :t]), np.asarray(base[:, :t]))
+        assert not np.allclose(np.asarray(out[:, t]), np.asarray(base[:, t]))
+
+
+def test_causal_no_gradient_from_later_positions():
+    """d loss(positions < t) / d (block-0 input at positions >= t) is exactly zero, and nonzero before t."""
+    model = Transformer(SMALL)
+    params = init_params(model, 0, 16)
+    x, y = _batch(SMALL)
+    t = 9
+
+    def early_loss(delta_BxLxD):
+        def add_delta(next_fun, args, kwargs, context):
+            if context.module.name == "block_0" and context.method_name == "__call__":
+                args = (args[0] + delta_BxLxD.astype(args[0].dtype),) + args[1:]
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(add_delta):
+            return token_nll(model, params, x, y)[:, :t].sum()
+
+    g = np.asarray(jax.grad(early_loss)(jnp.zeros((2, 16, SMALL.d_model))))
+    assert np.all(g[:, t:] == 0)
+    assert np.all(np.abs(g[:, :t]).sum(-1) > 0)
+
+
+def test_remat_gives_same_loss_and_gradients():
+    x, y = _batch(SMALL)
+    plain, remat = Transformer(SMALL), Transformer(SMALL, remat=True)
+    params = init_params(plain, 0, 16)
+
+    def loss(m):
+        return lambda p: token_nll(m, p, x, y).mean()
+
+    l1, g1 = jax.value_and_grad(loss(plain))(params)
+    l2, g2 = jax.value_and_grad(loss(remat))(params)
+    assert float(l1) == pytest.approx(float(l2), abs=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+def test_mixed_precision_keeps_fp32_params_and_logits_and_close_loss():
+    x, y = _batch(SMALL)
+    f32, bf16 = Transformer(SMALL), Transformer(SMALL, dtype=jnp.bfloat16)
+    params = init_params(f32, 0, 16)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(init_params(bf16, 0, 16)))
+    assert bf16.apply({"params": params}, x).dtype == jnp.float32
+    l32 = float(token_nll(f32, params, x, y).mean())
+    l16 = float(token_nll(bf16, params, x, y).mean())
+    assert l16 == pytest.approx(l32, abs=2e-2)
+    g = jax.grad(lambda p: token_nll(bf16, p, x, y).mean())(params)
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(g))

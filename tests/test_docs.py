@@ -1,0 +1,160 @@
+"""The README and docs/ are kept true: their Python blocks run, their links resolve, the README stays short,
+and the "Coming from" flag map (docs/config.md) names real flags.
+
+Convention for fenced blocks in README.md and docs/*.md: a block whose info string is ``python`` (or ``py``/``python3``)
+is executed; one whose info string carries the extra word ``no-test`` (```` ```python no-test ````) is
+shown but not executed, for code that needs something the tests do not install or have (e.g. torch and a
+trained run for the transformers snippet; tests/io/test_hf_export.py covers that path). GitHub highlights
+both the same way, since it reads only the first word. Blocks of other languages (bash, yaml, plain
+output) are never executed.
+
+The executed blocks of one file run in order in one namespace, as a reader pasting them into one notebook
+would, in a subprocess whose working directory is the repository root (the README's relative data paths,
+``../shared/data/...``, are relative to it) with TMPDIR pointed at pytest's tmp_path so the examples'
+``tempfile.mkdtemp()`` run folders are cleaned up, and with the hub offline.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from helpers import ROOT
+
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PYTHON_LANGS = {"python", "py", "python3"}
+SKIP_WORD = "no-test"
+FENCE = re.compile(r"^(`{3,})(.*)$")
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str, int]]:
+    """(info string, code, 1-based line of the opening fence) of every backtick-fenced block, in order.
+
+    As in CommonMark, a block closes at a line of only backticks at least as long as its opening fence.
+    """
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        i += 1
+        if not m:
+            continue
+        fence, info, start = m.group(1), m.group(2).strip(), i
+        body = []
+        while i < len(lines) and not re.fullmatch(r"`{%d,}\s*" % len(fence), lines[i]):
+            body.append(lines[i])
+            i += 1
+        assert i < len(lines), f"README.md:{start}: unclosed code fence"
+        i += 1  # the closing fence
+        blocks.append((info, "\n".join(body) + "\n", start))
+    return blocks
+
+
+def python_blocks(text: str) -> tuple[list[tuple[str, int]], list[int]]:
+    """(blocks to execute as (code, line), lines of the python blocks marked no-test)."""
+    run, skipped = [], []
+    for info, code, line in fenced_blocks(text):
+        words = info.split()
+        if not words or words[0].lower() not in PYTHON_LANGS:
+            continue
+        if SKIP_WORD in words[1:]:
+            skipped.append(line)
+        else:
+            run.append((code, line))
+    return run, skipped
+
+
+DRIVER = r"""
+import json, sys, traceback
+name, blocks = json.load(sys.stdin)
+namespace = {"__name__": "__readme__"}
+for code, line in blocks:
+    try:
+        exec(compile(code, f"{name}:{line}", "exec"), namespace)
+    except BaseException:
+        traceback.print_exc()
+        print(f"README BLOCK FAILED at {name}:{line}", flush=True)
+        sys.exit(1)
+    print(f"README BLOCK OK {line}", flush=True)
+"""
+
+
+def test_fence_parser_and_skip_convention():
+    text = ("intro\n```python\nx = 1\n```\n```python no-test\nimport torch\n```\n"
+            "```bash\nls\n```\n````python\nprint('```')\n````\n```\nplain\n```\n")
+    run, skipped = python_blocks(text)
+    assert [code for code, _ in run] == ["x = 1\n", "print('```')\n"]
+    assert skipped == [5]
+
+
+def run_blocks(name: str, run: list, tmp_path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TMPDIR": str(tmp_path),
+           "MPLBACKEND": "Agg"}
+    proc = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps([name, run]), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    ok = [int(m) for m in re.findall(r"^README BLOCK OK (\d+)$", proc.stdout, re.M)]
+    assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-5000:])
+    assert ok == [line for _, line in run], proc.stdout[-3000:]
+    assert not list(ROOT.glob("runs/notebook*")), f"an example in {name} wrote into the repository"
+
+
+def test_readme_python_blocks_run_in_order(tmp_path):
+    run, skipped = python_blocks(README.read_text())
+    assert len(run) >= 5, "expected the Notebook API examples to be executable python blocks"
+    joined = "".join(code for code, _ in run)
+    for needed in ("StreamingDataLoader(", "estimate_memory_usage(", "choose_shape(", "describe(", "train(Config("):
+        assert needed in joined, f"the README's executed examples no longer show {needed}"
+    run_blocks("README.md", run, tmp_path)
+
+
+def test_docs_python_blocks_run(tmp_path):
+    ran = 0
+    for page in DOCS:
+        run, _ = python_blocks(page.read_text())
+        if run:
+            run_blocks(f"docs/{page.name}", run, tmp_path)
+            ran += len(run)
+    assert ran >= 3, "expected the memory and 8-bit examples in docs/ to be executable"
+
+
+def test_readme_is_short_and_every_local_link_resolves():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300
+    for page in [README, *DOCS]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+    assert {p.name for p in DOCS} >= {"data.md", "memory.md", "resume.md", "scaling.md", "export.md", "flags.md",
+                                      "design.md"}
+
+
+def coming_from_flags(text: str) -> list[str]:
+    """Every --flag inside a backticked span of the "Coming from" section (its tables and prose)."""
+    start = text.index("\n## Coming from")
+    end = text.find("\n## ", start + 1)
+    section = text[start:end if end != -1 else None]
+    flags = []
+    for span in re.findall(r"`([^`]+)`", section):
+        flags += re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", span)
+    return flags
+
+
+def known_flags() -> set[str]:
+    """Every flag the trainer's parser accepts: one per Config field, --no-... for booleans, --config."""
+    import dataclasses
+
+    from slm.train.config import Config, flag_name
+
+    names = {flag_name(f.name) for f in dataclasses.fields(Config)}
+    negated = {flag_name("no_" + f.name) for f in dataclasses.fields(Config) if isinstance(f.default, bool)}
+    return names | negated | {"--config", "--help"}
+
+
+def test_coming_from_table_flags_exist():
+    known = known_flags()
+    flags = coming_from_flags((ROOT / "docs" / "config.md").read_text())
+    assert len(set(flags)) >= 25, sorted(set(flags))
+    missing = sorted({f for f in flags if f not in known})
+    assert not missing, f"flags in docs/config.md's Coming from tables that train_optimized.py does not have: {missing}"

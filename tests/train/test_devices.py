@@ -1,0 +1,54 @@
+"""Data parallelism over host CPU devices: same losses as one device; the mesh divides the batch."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from helpers import ROOT
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from slm.train.devices import configure_cpu_devices, data_mesh, needs_step_sync, shardings
+    configure_cpu_devices(2)
+    from slm.model.transformer import Transformer, init_params
+    from slm.model.sizing import ModelShape
+    from slm.optim.optimizer import make_optimizer
+    from slm.train.step import init_state, make_train_step
+
+    shape = ModelShape(vocab_size=64, n_layers=2, d_model=32, n_heads=1, d_ff=96)
+    model, tx = Transformer(shape), make_optimizer(accumulation=2)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, (8, 6, 17)).astype(np.int32)
+    out = {{"devices": len(jax.devices())}}
+    for k in (1, 2):
+        mesh = data_mesh(6, max_devices=k)
+        rep, dat = shardings(mesh)
+        state = jax.device_put(init_state(init_params(model, 0, 16), tx), rep)
+        step, losses = make_train_step(model, tx), []
+        for b in ids:
+            batch = jax.device_put({{"input_ids": b[:, :-1], "targets": b[:, 1:]}}, dat)
+            state, m = step(state, batch, np.float32(1e-2))
+            if needs_step_sync(mesh):
+                m["loss"].block_until_ready()
+            losses.append(float(m["loss"]))
+        out[k] = losses
+        out[f"mesh{{k}}"] = int(mesh.devices.size)
+    out["odd_batch_mesh"] = int(data_mesh(7).devices.size)
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_two_host_devices_match_one_device_loss_curve():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT.format()], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 2 and out["mesh1"] == 1 and out["mesh2"] == 2
+    assert out["odd_batch_mesh"] == 1  # 7 sequences cannot be split over 2 devices: fall back to 1
+    for a, b in zip(out["1"], out["2"]):
+        assert abs(a - b) < 1e-5, (out["1"], out["2"])
+    assert out["2"][-1] < out["2"][0]

@@ -1,0 +1,204 @@
+"""slm.train.loop with a fake step (no jax compile): every stop condition, the callback order, accumulation,
+the schedule and cadence, and the stream of batches across epochs. Runs in well under a second."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from slm.train.callbacks import NonFiniteGuard, StopConditions
+from slm.train.devices import Processes
+from slm.train.interrupts import SignalWatcher, stop_requested
+from slm.train.loop import Cadence, Callback, LoopPlan, RunState, Schedule, run_loop
+
+B, L = 2, 4
+
+
+def batches(n: int, epoch: int = 0) -> list[dict]:
+    rng = np.random.default_rng(epoch)
+    ids = rng.integers(0, 50, (n, B, L + 1)).astype(np.int32)
+    return [{"input_ids": b[:, :-1], "targets": b[:, 1:]} for b in ids]
+
+
+class FakeStep:
+    """(state, batch, lr) -> (state + 1, metrics); `bad` micro-steps (1-based) report a non-finite loss."""
+
+    def __init__(self, bad: set[int] = frozenset()):
+        self.calls, self.lrs, self.bad = 0, [], bad
+
+    def __call__(self, state, batch, lr):
+        self.calls += 1
+        self.lrs.append(float(lr))
+        finite = self.calls not in self.bad
+        return state + 1, {"loss": np.float32(1.0 / self.calls), "finite": np.bool_(finite)}
+
+
+class FakeClock:
+    def __init__(self, tick: float = 1.0):
+        self.now, self.tick = 1000.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+class Recorder(Callback):
+    """Records every hook it sees, with the step, into a shared list."""
+
+    def __init__(self, name: str, events: list, stop_at: int | None = None):
+        self.name, self.events, self.stop_at = name, events, stop_at
+
+    def on_first_step(self, run):
+        self.events.append((self.name, "first", run.step))
+
+    def on_step(self, run):
+        self.events.append((self.name, "step", run.step))
+        return f"{self.name} stops" if run.step == self.stop_at else None
+
+    def on_epoch_end(self, run):
+        self.events.append((self.name, "epoch_end", run.epoch))
+
+    def on_loop_end(self, run):
+        self.events.append((self.name, "loop_end", run.step))
+
+
+def plan(epochs: int = 1, accumulation: int = 1, max_steps: int | None = None, max_time: float | None = None,
+         log_every: int = 1, eval_every: int = 10**6, checkpoint_every: int = 10**6) -> LoopPlan:
+    return LoopPlan(epochs, accumulation, B * L * accumulation, B * L,
+                    Schedule(1e-3, 2, max_steps, max_time, start=1000.0, epochs=epochs),
+                    Cadence(log_every, eval_every, checkpoint_every))
+
+
+def run(n_batches: int = 6, lp: LoopPlan | None = None, callbacks=(), step=None, clock=None, run_state=None):
+    state = run_state or RunState(train_state=0)
+    opened = []
+
+    def open_epoch(epoch: int, continuing: bool):
+        opened.append((epoch, continuing))
+        return iter(batches(n_batches, epoch))
+
+    run_loop(state, step or FakeStep(), open_epoch, list(callbacks), lp or plan(), Processes(), clock or FakeClock(),
+             resumed=run_state is not None)
+    return state, opened
+
+
+def test_callbacks_run_in_order_and_a_stop_skips_the_rest_of_that_step():
+    events = []
+    cbs = [Recorder("a", events), Recorder("b", events, stop_at=3), Recorder("c", events)]
+    state, _ = run(callbacks=cbs)
+    assert state.step == 3 and state.stop_reason == "b stops" and state.stopped
+    assert events[:3] == [("a", "first", 0), ("b", "first", 0), ("c", "first", 0)]
+    steps = [e for e in events if e[1] == "step"]
+    assert steps == [(n, "step", s) for s in (1, 2) for n in "abc"] + [("a", "step", 3), ("b", "step", 3)]
+    assert events[-3:] == [("a", "loop_end", 3), ("b", "loop_end", 3), ("c", "loop_end", 3)]
+    assert not any(e[1] == "epoch_end" for e in events)  # stopped: the epoch did not run out
+
+
+def test_epochs_run_out_and_the_state_counts_everything():
+    events = []
+    state, opened = run(n_batches=5, lp=plan(epochs=2), callbacks=[Recorder("r", events)])
+    assert opened == [(0, False), (1, False)]
+    assert (state.step, state.micro_step, state.epoch, state.epoch_micro) == (10, 10, 1, 5)
+    assert state.tokens == 10 * B * L and state.stop_reason == "epochs done" and not state.stopped
+    assert [e for e in events if e[1] == "epoch_end"] == [("r", "epoch_end", 0), ("r", "epoch_end", 1)]
+    assert len(state.data_digest) == 64 and state.train_state == 10
+
+
+def test_accumulation_makes_one_optimizer_step_of_k_micro_steps():
+    events = []
+    state, _ = run(n_batches=7, lp=plan(accumulation=3), callbacks=[Recorder("r", events)])
+    assert (state.micro_step, state.step, state.tokens) == (7, 2, 2 * 3 * B * L)  # the 7th is a partial step
+    assert [e[2] for e in events if e[1] == "step"] == [1, 2]
+
+
+def test_max_steps_and_the_schedule():
+    step = FakeStep()
+    stops = StopConditions(max_steps=4, max_time=None, start=1000.0, signals=SignalWatcher(), out_dir="/nonexistent",
+                           clock=FakeClock())
+    state, _ = run(lp=plan(max_steps=4), callbacks=[stops], step=step)
+    assert state.step == 4 and state.stop_reason == "--max-steps 4"
+    assert step.lrs[:2] == pytest.approx([5e-4, 1e-3])  # linear warmup over 2 steps
+    assert step.lrs[2] > step.lrs[3]  # then the cosine falls
+    assert state.warmup_end == pytest.approx(0.5)  # warmup ended at step 2 of 4
+
+
+def test_max_time_by_the_injected_clock():
+    clock = FakeClock(tick=10.0)  # every clock read advances 10 s
+    stops = StopConditions(max_steps=None, max_time=100.0, start=1000.0, signals=SignalWatcher(), out_dir="/x",
+                           clock=clock)
+    state, _ = run(n_batches=50, lp=plan(max_time=100.0), callbacks=[stops], clock=clock)
+    assert state.stop_reason == "--max-time 100s" and 1 <= state.step < 50
+
+
+def test_a_signal_stops_the_run_after_its_step():
+    signals = SignalWatcher()
+    stops = StopConditions(None, None, 1000.0, signals, "/runs/x", FakeClock())
+
+    class Deliver(Callback):
+        def on_step(self, run):
+            if run.step == 2:
+                signals.received.append("SIGTERM")
+
+    state, _ = run(callbacks=[Deliver(), stops])
+    assert state.step == 2 and state.stop_reason == "SIGTERM: checkpoint saved, resume with --resume /runs/x"
+
+
+def test_a_stop_file_stops_the_run(tmp_path):
+    (tmp_path / "STOP").touch()
+    stops = StopConditions(None, None, 1000.0, SignalWatcher(), str(tmp_path), FakeClock())
+    state, _ = run(callbacks=[stops])
+    assert state.step == 1 and state.stop_reason == "STOP file in the output dir"
+
+
+def test_stop_requested(tmp_path):
+    assert stop_requested(str(tmp_path)) is None
+    (tmp_path / ".stop").touch()
+    assert stop_requested(str(tmp_path)) == str(tmp_path / ".stop")
+    (tmp_path / "STOP").touch()
+    assert stop_requested(str(tmp_path)) == str(tmp_path / "STOP")
+    (tmp_path / ".stop").unlink()
+    assert stop_requested(str(tmp_path)) == str(tmp_path / "STOP")
+    assert stop_requested(str(tmp_path / "missing")) is None
+
+
+def test_nonfinite_stops_before_later_callbacks_and_skips_within_the_allowance():
+    events, logs = [], []
+    guard = NonFiniteGuard(allowed=0, accumulation=1, log=logs.append)
+    state, _ = run(callbacks=[guard, Recorder("save", events)], step=FakeStep(bad={3}))
+    assert state.step == 3 and state.nonfinite_stop
+    assert state.stop_reason == "non-finite loss or gradient at step 3 (skipped; nothing saved after it)"
+    assert [e[2] for e in events if e[1] == "step"] == [1, 2]  # the callback after the guard never saw step 3
+    guard = NonFiniteGuard(allowed=1, accumulation=2, log=logs.append)
+    state, _ = run(n_batches=8, lp=plan(accumulation=2), callbacks=[guard], step=FakeStep(bad={3, 7}))
+    assert state.skipped_nonfinite == 1 and state.step == 4  # micro 3 = step 2 skipped; micro 7 = step 4 stops
+    assert logs == ["[run] step 2: non-finite loss or gradient, skipped (1 of --skip-nonfinite 1)"]
+
+
+def test_nonfinite_checked_at_the_end_when_nothing_was_due():
+    guard = NonFiniteGuard(allowed=0, accumulation=1, log=print)
+    state, _ = run(n_batches=3, lp=plan(log_every=10**6), callbacks=[guard], step=FakeStep(bad={2}))
+    assert state.nonfinite_stop and state.stop_reason.startswith("non-finite loss or gradient at step 2 ")
+
+
+def test_cadence_and_timings():
+    seen = []
+
+    class Due(Callback):
+        def on_step(self, run):
+            seen.append((run.step, run.due.log, run.due.eval, run.due.save))
+
+    state, _ = run(n_batches=4, lp=plan(log_every=2, eval_every=3, checkpoint_every=4), callbacks=[Due()])
+    assert seen == [(1, False, False, False), (2, True, False, False), (3, False, True, False),
+                    (4, True, False, True)]
+    t = state.timings
+    assert t.compile_s is not None and t.train_s > 0 and t.eval_s == 0.0
+
+
+def test_resumed_run_continues_its_epoch_and_counters():
+    resumed = RunState.from_meta({"step": 5, "tokens": 40, "epoch": 1, "micro_step": 5, "epoch_micro": 2,
+                                  "warmup_end": 0.1, "est_total_tokens": None, "data_digest": "ab" * 32,
+                                  "skipped_nonfinite": 0}, train_state=5)
+    state, opened = run(n_batches=3, lp=plan(epochs=3), run_state=resumed)
+    assert opened == [(1, True), (2, False)]
+    assert state.step == 5 + 3 + 3 and state.epoch_micro == 3 and state.checked_micro == 5
+    assert state.meta(1)["step"] == 11 and state.meta(1)["processes"] == 1

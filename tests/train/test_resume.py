@@ -1,0 +1,190 @@
+"""Exact resume through the trainer: interrupted runs continue with the same batches and losses; what a
+resume refuses; SIGTERM and kill -9; the checkpoint policy in a run."""
+
+import json
+
+import pytest
+
+from slm.train.loop import Callback
+
+
+class StopAfter(Callback):
+    """Stops the run after this process's n-th optimizer step, as a STOP file or a signal would."""
+
+    def __init__(self, n: int):
+        self.n, self.seen = n, 0
+
+    def on_step(self, run) -> str | None:
+        self.seen += 1
+        return "interrupted by the test" if self.seen == self.n else None
+
+
+@pytest.mark.slow
+def test_interrupted_and_resumed_twice_equals_one_run(tmp_path, data_dir, monkeypatch):
+    """40 steps in one go vs interrupted after 13 and 33 and resumed: same batches (digest), same losses.
+
+    Epoch 0 (200 documents) ends near step 28, so the second interruption lands in epoch 1.
+    """
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def cfg(out, **kw):
+        base = dict(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                    seq_len=64, batch_size=8, max_examples=200, shuffle_buffer_size=50, eval_tokens=2048,
+                    log_every=1, eval_every=10**6, checkpoint_every=10**6, max_steps=40, seed=3, output_dir=str(out))
+        return Config(**{**base, **kw})
+
+    quiet = lambda *_: None  # noqa: E731
+    whole = train(cfg(tmp_path / "whole"), log=quiet)
+    out = tmp_path / "interrupted"
+    first = train(cfg(out), log=quiet, callbacks=[StopAfter(13)])
+    assert first["steps"] == 13 and first["stop_reason"] == "interrupted by the test"
+    # the resumed process's 20th step is step 33, in epoch 1
+    second = train(Config(resume=str(out), max_steps=40), log=quiet, callbacks=[StopAfter(20)])
+    assert second["steps"] == 33 and second["epochs_started"] == 2
+    final = train(Config(resume=str(out)), log=quiet)
+    assert final["steps"] == 40 and final["data_digest"] == whole["data_digest"]
+
+    def losses(run):
+        return {r["step"]: r["loss"] for r in map(json.loads, open(run / "metrics.jsonl")) if "loss" in r}
+
+    a, b = losses(tmp_path / "whole"), losses(out)
+    assert sorted(a) == sorted(b) == list(range(1, 41))
+    assert max(abs(a[k] - b[k]) for k in a) <= 1e-6
+    assert final["eval_loss"] == pytest.approx(whole["eval_loss"], abs=1e-6)
+
+
+def test_resume_refuses_a_different_model_or_dataset(tmp_path, data_dir, monkeypatch):
+    from slm.errors import ConfigError
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                 seq_len=64, batch_size=8, eval_tokens=2048, max_steps=2, output_dir=str(out)), log=lambda *_: None)
+    with pytest.raises(ConfigError, match="--seq-len 96 .the run used 64."):
+        train(Config(resume=str(out), seq_len=96), log=lambda *_: None)
+    with pytest.raises(ConfigError, match="--seq-len 128 .the run used 64."):  # the CLI knows 128 was given
+        train(Config(resume=str(out), seq_len=128), log=lambda *_: None, explicit={"resume", "seq_len"})
+    with pytest.raises(ConfigError, match="--dataset-id"):
+        train(Config(resume=str(out), dataset_id=str(data_dir / "tinystories_train.txt")), log=lambda *_: None)
+    with pytest.raises(ConfigError, match="no readable config.json"):
+        train(Config(resume=str(tmp_path / "nothing")), log=lambda *_: None)
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_saves_and_exits_0_then_resumes(tmp_path, data_dir):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import ROOT
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train_optimized.py"), "--use-streaming", "--dataset-id",
+           str(data_dir / "tinyshakespeare.txt"), "--target-params", "150000", "--seq-len", "64", "--batch-size", "8",
+           "--eval-tokens", "2048", "--log-every", "1", "--max-steps", "100000", "--output-dir", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300  # a safety net against a hang, not a timing check
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    output, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, output[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("SIGTERM: checkpoint saved") and summary["steps"] >= 3
+    assert str(summary["steps"]) in [d.name for d in (out / "checkpoints").iterdir()]
+    r = subprocess.run([sys.executable, str(ROOT / "train_optimized.py"), "--resume", str(out),
+                        "--max-steps", str(summary["steps"] + 2)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == summary["steps"] + 2
+
+
+def test_checkpoint_minutes_and_keep_in_the_trainer(tmp_path, data_dir, monkeypatch):
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                 seq_len=64, batch_size=8, eval_tokens=2048, max_steps=5, checkpoint_minutes=1e-9,
+                 keep_checkpoints=2, output_dir=str(out)), log=lambda *_: None)
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [4, 5]
+
+
+@pytest.mark.slow
+def test_kill_9_while_saving_every_step_leaves_a_resumable_run(tmp_path, data_dir):
+    """SIGKILL at an arbitrary moment of a run that saves at every step (so very likely mid-save)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import ROOT
+
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, str(ROOT / "train_optimized.py"), "--use-streaming", "--dataset-id",
+           str(data_dir / "tinyshakespeare.txt"), "--target-params", "150000", "--seq-len", "64", "--batch-size", "8",
+           "--eval-tokens", "2048", "--log-every", "1", "--checkpoint-every", "1", "--keep-checkpoints", "2",
+           "--max-steps", "100000", "--output-dir", str(out)]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300  # a safety net against a hang, not a timing check
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 6) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    steps = sorted(int(d.name) for d in (out / "checkpoints").iterdir() if d.name.isdigit())
+    assert steps, "no complete checkpoint survived"
+    r = subprocess.run([sys.executable, str(ROOT / "train_optimized.py"), "--resume", str(out), "--max-steps",
+                        str(steps[-1] + 2), "--checkpoint-every", "1000"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == steps[-1] + 2
+
+
+def test_output_dir_without_room_for_checkpoints_is_refused(tmp_path, data_dir, monkeypatch):
+    import collections
+    import shutil
+
+    from slm.errors import ConfigError
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    usage = collections.namedtuple("usage", "total used free")
+    with pytest.raises(ConfigError, match="MB free, but 4 checkpoints of"):
+        train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                     seq_len=64, batch_size=8, eval_tokens=2048, max_steps=2, output_dir=str(tmp_path / "full")),
+              log=lambda *_: None, disk_usage=lambda path: usage(10**9, 10**9 - 10**5, 10**5))
+    assert shutil.disk_usage(tmp_path).free > 10**5  # the real disk was never consulted or patched
+
+
+def test_a_signal_aborts_the_eval_and_saves_at_once(tmp_path, data_dir, monkeypatch):
+    """SIGTERM arrives as step 1 starts; step 1's eval (--eval-every 1) is aborted, the checkpoint saved."""
+    import os
+    import signal
+
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    logs = []
+
+    def log(line):
+        logs.append(line)
+        if line.startswith("[run] first step"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    out = tmp_path / "run"
+    s = train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                     seq_len=64, batch_size=8, eval_tokens=2048, eval_every=1, max_steps=50, output_dir=str(out)), log=log)
+    assert s["stop_reason"].startswith("SIGTERM") and s["steps"] == 1 and s["eval_loss"] is None
+    assert any("eval at step 1 aborted by SIGTERM" in line for line in logs)
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()] == ["1"]
+    assert signal.getsignal(signal.SIGTERM) is not None  # the handler was restored after the run

@@ -1,0 +1,60 @@
+"""slm.train.run.train end to end: the stop conditions that end a real run, and what it leaves behind."""
+
+import json
+import math
+
+import pytest
+
+def test_max_time_stops_then_evaluates_and_saves(tmp_path, data_dir, monkeypatch):
+    """A wall-clock budget: training stops once it is spent, then evaluates, checkpoints and summarises."""
+    import time
+
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "timed"
+    summary = train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True,
+                           target_params=150_000, seq_len=64, batch_size=8, eval_tokens=2048, max_time=1.0,
+                           log_every=1, output_dir=str(out)), start_time=time.time(), log=lambda *_: None)
+    assert summary["stop_reason"] == "--max-time 1s"
+    assert summary["steps"] >= 1 and summary["steps"] < 10_000  # repeated the data until the budget, not 1 epoch
+    assert summary["eval_loss"] > 0 and (out / "summary.json").exists()
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()] == [str(summary["steps"])]
+
+
+@pytest.mark.parametrize("use_8bit", [False, True])
+def test_nonfinite_step_stops_the_run_naming_it_and_saves_nothing_after(tmp_path, data_dir, monkeypatch, use_8bit):
+    """A learning rate of 1e30 overflows on the first update: the next step's gradient is non-finite."""
+    import time
+
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "nan"
+    summary = train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True,
+                           target_params=150_000, seq_len=64, batch_size=8, eval_tokens=2048, max_steps=20,
+                           learning_rate=1e30, warmup_steps=0, log_every=4, checkpoint_every=4,
+                           use_8bit_optimizer=use_8bit, output_dir=str(out)),
+                    start_time=time.time(), log=lambda *_: None)
+    assert summary["stop_reason"].startswith("non-finite loss or gradient at step 2 ")
+    assert summary["steps"] == 4
+    assert not any(p.name.isdigit() for p in (out / "checkpoints").iterdir())  # nothing saved after step 1
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert all(math.isfinite(r["eval_loss"]) for r in rows if "eval_loss" in r)  # skipped steps left params finite
+
+
+def test_skip_nonfinite_allows_n_bad_steps_then_stops(tmp_path, data_dir, monkeypatch):
+    import time
+
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    logs = []
+    summary = train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True,
+                           target_params=150_000, seq_len=64, batch_size=8, eval_tokens=2048, max_steps=20,
+                           learning_rate=1e30, warmup_steps=0, log_every=1, skip_nonfinite=3,
+                           output_dir=str(tmp_path / "skip")), start_time=time.time(), log=logs.append)
+    # Step 1's update overflows the params; steps 2, 3, 4 are skipped (logged), step 5 stops the run.
+    assert summary["skipped_nonfinite"] == 3 and summary["steps"] == 5
+    assert summary["stop_reason"].startswith("non-finite loss or gradient at step 5 ")
+    assert sum("skipped (" in line for line in logs) == 3
