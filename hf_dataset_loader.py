@@ -8,7 +8,13 @@ The code is in slm/data/ (sources.py, readers.py, packing.py); no jax.
 """
 
 from slm.data.packing import encode_documents, pack_rows, prepare_sequences
-from slm.data.readers import LOCAL_EXTENSIONS, REPLACED_BYTES, TEXT_COLUMNS, pick_text_column, read_file
+from slm.data.readers import (
+    LOCAL_EXTENSIONS,
+    REPLACED_BYTES,
+    TEXT_COLUMNS,
+    pick_text_column,
+    read_file,
+)
 from slm.data.sources import (
     BUILTIN_DATASET,
     DEFAULT_DATASET,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from slm.cli.train import main  # first: it notes the process start that --max-time counts from
+# slm.cli.train is imported first (it sorts first too): it notes the process start that --max-time counts from.
+from slm.cli.train import main
 from slm.train.config import PRESETS, Config, apply_preset, auto_preset, validate
 from slm.train.run import train
 

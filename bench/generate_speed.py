@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from slm.model.generate import Decoder
-from slm.model.transformer import Transformer, init_params
 from slm.model.sizing import choose_shape, count_params
+from slm.model.transformer import Transformer, init_params
 
 
 def make_sampler(model, seq_len: int, temperature: float = 0.8, top_k: int = 40):

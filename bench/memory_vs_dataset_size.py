@@ -33,8 +33,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from slm.data.readers import read_file  # noqa: E402
-from slm.model.sizing import default_vocab_size  # noqa: E402
 from slm.data.tokenizer import train_bpe  # noqa: E402
+from slm.model.sizing import default_vocab_size  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
 FILES = ["tinystories_train.txt", "tinystories_train_extra_lowercase.txt", "tinyshakespeare.txt"]

@@ -30,17 +30,22 @@ p.add_argument("--reps", type=int, default=3, help="timing windows per optimizer
 p.add_argument("--cpu-devices", type=int, default=None, help="host devices (default: as the trainer)")
 args = p.parse_args()
 
-from slm.train.devices import configure_cpu_devices, data_mesh, needs_step_sync, shardings  # noqa: E402
+from slm.train.devices import (  # noqa: E402
+    configure_cpu_devices,
+    data_mesh,
+    needs_step_sync,
+    shardings,
+)
 
 configure_cpu_devices(args.cpu_devices)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from slm.optim.adam8bit import quantized_fraction, state_bytes  # noqa: E402
-from slm.model.transformer import Transformer, init_params  # noqa: E402
-from slm.train.builder import compiled_memory  # noqa: E402
 from slm.model.sizing import choose_shape, count_params, default_vocab_size, describe  # noqa: E402
+from slm.model.transformer import Transformer, init_params  # noqa: E402
+from slm.optim.adam8bit import quantized_fraction, state_bytes  # noqa: E402
 from slm.optim.optimizer import make_optimizer  # noqa: E402
+from slm.train.builder import compiled_memory  # noqa: E402
 from slm.train.step import init_state, make_train_step  # noqa: E402
 
 

@@ -16,11 +16,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from slm.train.devices import data_mesh, device_bytes, shardings, state_shardings  # noqa: E402
-from slm.model.transformer import Transformer, init_params  # noqa: E402
 from slm.model.sizing import choose_shape, count_params  # noqa: E402
-from slm.train.builder import compiled_memory  # noqa: E402
+from slm.model.transformer import Transformer, init_params  # noqa: E402
 from slm.optim.optimizer import make_optimizer  # noqa: E402
+from slm.train.builder import compiled_memory  # noqa: E402
+from slm.train.devices import data_mesh, device_bytes, shardings, state_shardings  # noqa: E402
 from slm.train.step import init_state, make_train_step  # noqa: E402
 
 SEQ, BATCH, STEPS = 128, 32, 8

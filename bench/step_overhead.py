@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from slm.model.transformer import Transformer, init_params
 from slm.model.sizing import ModelShape, count_params
+from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
 from slm.optim.schedule import lr_at
 from slm.train.step import init_state, make_train_step

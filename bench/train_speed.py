@@ -46,17 +46,22 @@ args = parse_args()
 
 import jax  # noqa: E402
 
-from slm.train.devices import configure_cpu_devices, data_mesh, needs_step_sync, shardings  # noqa: E402
+from slm.train.devices import (  # noqa: E402
+    configure_cpu_devices,
+    data_mesh,
+    needs_step_sync,
+    shardings,
+)
 
 configure_cpu_devices(args.cpu_devices)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from slm.model.transformer import Transformer, init_params  # noqa: E402
 from slm.model.sizing import ModelShape, choose_shape, count_params, flops_per_token  # noqa: E402
-from slm.train.throughput import measure_matmul_flops  # noqa: E402
+from slm.model.transformer import Transformer, init_params  # noqa: E402
 from slm.optim.optimizer import make_optimizer  # noqa: E402
 from slm.train.step import init_state, make_train_step  # noqa: E402
+from slm.train.throughput import measure_matmul_flops  # noqa: E402
 
 
 def build(shape: ModelShape, seq_len: int, dtype, mesh):

@@ -16,7 +16,9 @@ def main(argv: list[str] | None = None) -> int:
         values, explicit, notes = parse_flags(argv)
         for note in notes:
             print(note)
-        from slm.train.run import train  # jax and the rest only once the flags are known to be good
+        from slm.train.run import (
+            train,  # jax and the rest only once the flags are known to be good
+        )
 
         train(Config(**values), start_time=_PROCESS_START, explicit=explicit)
 

@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from slm.data.readers import LOCAL_EXTENSIONS, row_texts, read_file
+from slm.data.readers import LOCAL_EXTENSIONS, read_file, row_texts
 from slm.errors import DatasetError
 
 DEFAULT_DATASET = "roneneldan/TinyStories"

@@ -38,7 +38,13 @@ import re
 from dataclasses import dataclass
 
 from slm.errors import ConfigError
-from slm.model.sizing import ModelShape, choose_shape, count_params, default_vocab_size, optimizer_state_bytes
+from slm.model.sizing import (
+    ModelShape,
+    choose_shape,
+    count_params,
+    default_vocab_size,
+    optimizer_state_bytes,
+)
 
 MB = 1 << 20
 

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from slm.model.sizing import ModelShape
 from slm.model.transformer import Dtype, RMSNorm, SwiGLU, Transformer, dense, rotary_at
 
-
 KVCache = list  # one {"k": BxSxHxK, "v": BxSxHxK} per layer, S cache positions, in the compute dtype
 
 

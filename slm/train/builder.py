@@ -28,7 +28,8 @@ from slm.model.sizing import ModelShape
 from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
 from slm.train.devices import data_mesh, shardings, state_shardings
-from slm.train.step import TrainState, init_state as fresh_state, make_train_step
+from slm.train.step import TrainState, make_train_step
+from slm.train.step import init_state as fresh_state
 
 
 @dataclass(frozen=True)

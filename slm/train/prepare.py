@@ -26,10 +26,21 @@ from slm.io.tracking import require_wandb
 from slm.memory.estimate import estimate_memory_usage, fit_candidates, parse_size
 from slm.memory.host import available_host_mb, total_ram_gb
 from slm.memory.preflight import MemoryPlan
-from slm.model.sizing import ModelShape, choose_shape, count_params, default_learning_rate, default_vocab_size
+from slm.model.sizing import (
+    ModelShape,
+    choose_shape,
+    count_params,
+    default_learning_rate,
+    default_vocab_size,
+)
 from slm.train.config import PRESETS, Config, apply_preset, auto_preset, validate
-from slm.train.devices import Processes, configure_cpu_devices, enable_compile_cache, init_distributed
-from slm.train.resume import resume_config
+from slm.train.devices import (
+    Processes,
+    configure_cpu_devices,
+    enable_compile_cache,
+    init_distributed,
+)
+from slm.train.resume import check_process_count, resume_config, saved_process_count
 
 Log = Callable[[str], None]
 
@@ -43,6 +54,8 @@ def settle_config(c: Config, explicit: set[str] | None, log: Log) -> tuple[Confi
         c = resume_config(c, explicit)
     # Before anything asks jax for its devices (--preset auto does).
     procs = init_distributed(c.coordinator_address, c.num_processes, c.process_id, c.cpu_devices)
+    if c.resume:  # before the data and the compile: the checkpoint's own record is checked again on restore
+        check_process_count(c.output_dir, saved_process_count(c.output_dir), procs.count)
     if c.preset and not c.resume:
         name = c.preset
         if name == "auto":  # it asks jax for the platform: the host devices must be set up first

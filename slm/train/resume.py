@@ -11,7 +11,14 @@ import json
 import os
 
 from slm.errors import ConfigError
-from slm.train.config import IDENTITY, LAUNCH, Config, explicit_fields, fields_with, flag_name
+from slm.train.config import (
+    IDENTITY,
+    LAUNCH,
+    Config,
+    explicit_fields,
+    fields_with,
+    flag_name,
+)
 
 
 def run_dir_of(c: Config) -> str:
@@ -56,3 +63,16 @@ def resume_config(c: Config, explicit: set[str] | None = None) -> Config:
     resumed.vocab_size = None  # it comes with the tokenizer
     resumed.preset, resumed.auto_fit = None, False  # their choices are in the saved settings already
     return resumed
+
+
+def check_process_count(run_dir: str, saved_by: int, processes: int) -> None:
+    """Refuse to resume with another number of processes: each process owns its part of the stream."""
+    if saved_by != processes:
+        raise ConfigError(f"--resume {run_dir}: the run was saved by {saved_by} process(es), each with its own part "
+                          f"of the data; resume it with --num-processes {saved_by} (devices per process may change)")
+
+
+def saved_process_count(run_dir: str) -> int:
+    """The processes a run recorded in its config.json (1 for runs that predate the record)."""
+    with open(os.path.join(run_dir, "config.json")) as f:
+        return int(json.load(f).get("processes", 1))

@@ -39,8 +39,15 @@ from slm.optim.schedule import warmup_for
 from slm.train.config import Config, RunFacts
 from slm.train.devices import Processes
 from slm.train.interrupts import SignalWatcher
-from slm.train.loop import Callback, Cadence, LoopPlan, RunState, Schedule, run_loop
-from slm.train.prepare import TrainData, make_output_dir, plan_step, settle_config, setup_data
+from slm.train.loop import Cadence, Callback, LoopPlan, RunState, Schedule, run_loop
+from slm.train.prepare import (
+    TrainData,
+    make_output_dir,
+    plan_step,
+    settle_config,
+    setup_data,
+)
+from slm.train.resume import check_process_count
 
 __all__ = ["Config", "train"]
 Log = Callable[[str], None]
@@ -160,8 +167,9 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
     batches = Batches(loader, data.rows, c.batch_size // procs.count, c.seed, resumed.get("loader"),
                       run.epoch_micro)
     callbacks = make_callbacks(c, data, built, facts, resolved, peak[0], ckpt, loader, env, resumed) + extra
-    for cb in callbacks:
-        env.stack.callback(cb.close)
+    closing = env.stack.enter_context(ExitStack())  # each callback closed once: at the end, or on an error
+    for cb in reversed(callbacks):
+        closing.callback(cb.close)
     run_loop(run, DeviceStep(compiled, built.batch_sharding, needs_step_sync(mesh)), batches.open, callbacks, lplan,
              procs, env.clock, resumed=bool(resumed))
     if run.step == 0:
@@ -170,8 +178,7 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
     env.log(f"[run] stopped: {run.stop_reason}")
     for cb in callbacks:
         cb.on_train_end(run)
-    for cb in callbacks:
-        cb.close()
+    closing.close()  # in order: the console, the checkpoint manager, metrics.jsonl and the trackers
     return summarize(c, run, data, facts, plan, peak[0], env, resumed, device_bytes(run.train_state) / 2**20)
 
 
@@ -267,10 +274,7 @@ def restore(c: Config, ckpt: Checkpointer, state: Any, est: float | None, env: E
     if ckpt.latest_step() is None:
         raise ConfigError(f"--resume {env.out}: no complete checkpoint in {ckpt_dir} (an interrupted save is skipped)")
     state, meta, loader_state = ckpt.restore(state)  # restored with the live state's shardings
-    if meta.get("processes", 1) != procs.count:
-        raise ConfigError(f"--resume {env.out}: the run was saved by {meta.get('processes', 1)} process(es), each "
-                          f"with its own part of the data; resume it with --num-processes {meta.get('processes', 1)} "
-                          f"(devices per process may change)")
+    check_process_count(env.out, meta.get("processes", 1), procs.count)
     if procs.count > 1 and c.use_streaming:
         mine = loader_state["processes"][procs.index]
         meta, loader_state = {**meta, "data_digest": mine["digest"]}, mine["loader"]
@@ -282,8 +286,17 @@ def restore(c: Config, ckpt: Checkpointer, state: Any, est: float | None, env: E
 def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, resolved: dict, peak: float,
                    ckpt: Checkpointer, loader: StreamingDataLoader | None, env: Env, resumed: dict) -> list[Callback]:
     """The trainer's callbacks in their order (slm.train.callbacks), with their sinks."""
-    from slm.train.callbacks import (Console, Emitter, Evaluate, LogMetrics, LossPlot, NonFiniteGuard,
-                                     SaveCheckpoints, StopConditions, progress_bar)
+    from slm.train.callbacks import (
+        Console,
+        Emitter,
+        Evaluate,
+        LogMetrics,
+        LossPlot,
+        NonFiniteGuard,
+        SaveCheckpoints,
+        StopConditions,
+        progress_bar,
+    )
     from slm.train.evaluate import Evaluator
 
     procs, out, log, clock = env.procs, env.out, env.log, env.clock

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -78,7 +79,9 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.lru_cache(maxsize=4)
 def measure_matmul_flops(n: int = 2048, reps: int = 3) -> float:
+    """FLOP/s of the best of `reps` jitted float32 n x n matmuls (measured once per process)."""
     import jax
     import jax.numpy as jnp
 

@@ -9,9 +9,9 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from helpers import ROOT
 from tokenizers import Tokenizer
 
-from helpers import ROOT
 from train_optimized import main
 
 TINY = ["--target-params", "150000", "--seq-len", "64", "--batch-size", "16", "--learning-rate", "3e-3",

@@ -18,9 +18,8 @@ from tokenizers import Tokenizer, models
 import slm.data.readers as hfl
 from slm.data.readers import EOT_TEXT, read_file
 from slm.data.sources import local_paths, resolve_source
-from slm.errors import DatasetError
 from slm.data.tokenizer import EOT, load_tokenizer
-from slm.errors import TokenizerError
+from slm.errors import DatasetError, TokenizerError
 
 
 def _one_line(e: BaseException) -> str:

@@ -13,8 +13,6 @@ from slm.data.tokenizer import EOT
 from slm.errors import DatasetError
 
 
-
-
 def test_txt_split_on_endoftext_keeps_newlines(tmp_path):
     p = tmp_path / "a.txt"
     p.write_text("first line\nsecond line\n\nthird\n<|endoftext|>\nnext doc\n<|endoftext|>\n\n<|endoftext|>last")

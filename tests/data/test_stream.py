@@ -19,8 +19,6 @@ from slm.data.stream import StreamingDataLoader
 from slm.errors import DatasetError
 
 
-
-
 def reconstruct(batches) -> np.ndarray:
     """With stride == seq_len the inputs tile the stream; the last target adds its final token."""
     inputs = rows_of(batches).reshape(-1)

@@ -6,7 +6,13 @@ import pytest
 
 from slm.data.sources import ListSource
 from slm.data.stream import StreamingDataLoader
-from slm.data.tokenizer import EOT, eot_id, load_tokenizer, token_byte_lengths, train_bpe
+from slm.data.tokenizer import (
+    EOT,
+    eot_id,
+    load_tokenizer,
+    token_byte_lengths,
+    train_bpe,
+)
 from slm.errors import TokenizerError
 
 

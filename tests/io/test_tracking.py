@@ -9,9 +9,9 @@ import sys
 import types
 
 import pytest
+from helpers import ROOT
 
 import slm.io.tracking as tracking
-from helpers import ROOT
 from slm.errors import TrackingError
 from slm.io.tracking import Trackers, plot_loss
 

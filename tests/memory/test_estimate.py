@@ -6,14 +6,19 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-
 from helpers import ROOT
-from slm.memory.estimate import MB, MemoryEstimate, device_breakdown, parse_size
-from slm.model.transformer import Transformer, init_params
+
+from slm.memory.estimate import (
+    MB,
+    MemoryEstimate,
+    device_breakdown,
+    estimate_memory_usage,
+    parse_size,
+)
 from slm.model.sizing import choose_shape, count_params
-from slm.train.builder import compiled_memory
-from slm.memory.estimate import estimate_memory_usage
+from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
+from slm.train.builder import compiled_memory
 from slm.train.step import init_state, make_train_step
 
 

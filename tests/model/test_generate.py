@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from slm.model.generate import Decoder, filter_logits, generate_ids, sample_token
 from slm.model.decode import CachedTransformer, decode, init_cache
-from slm.model.transformer import Transformer, init_params
+from slm.model.generate import Decoder, filter_logits, generate_ids, sample_token
 from slm.model.sizing import ModelShape
+from slm.model.transformer import Transformer, init_params
 
 TINY = ModelShape(vocab_size=64, n_layers=2, d_model=32, n_heads=2, d_ff=64)
 

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from slm.model.transformer import Transformer, init_params, token_nll
 from slm.model.sizing import ModelShape, choose_shape, count_params, default_vocab_size
+from slm.model.transformer import Transformer, init_params, token_nll
 
 SMALL = ModelShape(vocab_size=97, n_layers=2, d_model=64, n_heads=2, d_ff=160)
 

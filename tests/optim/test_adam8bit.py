@@ -8,6 +8,8 @@ import numpy as np
 import optax
 import pytest
 
+from slm.model.sizing import choose_shape, default_vocab_size, optimizer_state_bytes
+from slm.model.transformer import Transformer, init_params
 from slm.optim.adam8bit import (
     BLOCK,
     QuantizedArray,
@@ -20,8 +22,6 @@ from slm.optim.adam8bit import (
     scale_by_adam_8bit,
     state_bytes,
 )
-from slm.model.transformer import Transformer, init_params
-from slm.model.sizing import choose_shape, default_vocab_size, optimizer_state_bytes
 from slm.optim.optimizer import make_optimizer
 
 M_MAP, V_MAP = dynamic_map(signed=True), dynamic_map(signed=False, zero_free=True)

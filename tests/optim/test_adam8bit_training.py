@@ -9,12 +9,12 @@ import pytest
 
 import slm.optim.adam8bit as adam8bit
 from slm.io.checkpoints import Checkpointer
-from slm.model.transformer import Transformer, init_params
 from slm.model.sizing import choose_shape
-from slm.train.builder import compiled_memory
-from train_optimized import Config, train
+from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
+from slm.train.builder import compiled_memory
 from slm.train.step import init_state, make_train_step
+from train_optimized import Config, train
 
 
 def _batch(shape, batch=4, seq=32, seed=0):
@@ -94,12 +94,14 @@ def _run(tmp_path, data_dir, name, seed, use_8bit):
 
 @pytest.mark.slow
 def test_heldout_loss_matches_fp32_and_a_linear_map_does_not(tmp_path, data_dir, monkeypatch):
-    """Issue 3's loss criterion, at CI size: |8-bit - fp32| <= max(1%, 2 x seed spread); linear maps fail it."""
-    fp32 = [_run(tmp_path, data_dir, "fp32", s, False)["eval_loss"] for s in (0, 1)]
+    """Issue 3's loss criterion at CI size, with its tighter arm only: |8-bit - fp32| <= 1% of fp32's loss
+    (issue 3 allows max(1%, 2 x the fp32 seed spread); bench/optimizer_8bit_loss.py measures the spread over
+    seeds). The same 8-bit code on linear maps fails it (a negative control)."""
+    fp32 = _run(tmp_path, data_dir, "fp32", 0, False)["eval_loss"]
     q8 = _run(tmp_path, data_dir, "q8", 0, True)
     monkeypatch.setattr(adam8bit, "dynamic_map", lambda signed, zero_free=False: adam8bit.linear_map(signed))
     linear = _run(tmp_path, data_dir, "linear", 0, True)["eval_loss"]
-    bound = max(0.01 * fp32[0], 2 * abs(fp32[0] - fp32[1]))
-    assert abs(q8["eval_loss"] - fp32[0]) <= bound, (q8["eval_loss"], fp32, bound)
-    assert linear - fp32[0] > bound, (linear, fp32, bound)
+    bound = 0.01 * fp32
+    assert abs(q8["eval_loss"] - fp32) <= bound, (q8["eval_loss"], fp32, bound)
+    assert linear - fp32 > bound, (linear, fp32, bound)
     assert q8["optimizer_state_bytes"] <= 0.30 * json.load(open(tmp_path / "fp32-0" / "summary.json"))["optimizer_state_bytes"]

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+
 def test_max_time_stops_then_evaluates_and_saves(tmp_path, data_dir, monkeypatch):
     """A wall-clock budget: training stops once it is spent, then evaluates, checkpoints and summarises."""
     import time

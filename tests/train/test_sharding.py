@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import pytest
-
 from helpers import ROOT
 
 EIGHT = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}

@@ -6,8 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from slm.model.transformer import Transformer, init_params
 from slm.model.sizing import ModelShape
+from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
 from slm.train.step import init_state, make_eval_step, make_train_step
 
