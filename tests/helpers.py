@@ -33,3 +33,14 @@ def collect(loader, epoch: int | None = None) -> list[dict]:
 
 def rows_of(batches) -> np.ndarray:
     return np.concatenate([b["input_ids"] for b in batches])
+
+
+def fresh_state(model, tx, seq_len: int, seed: int = 0):
+    """The step-0 train state built in one jitted call, as the trainer builds it (slm.train.builder.init_state):
+    one compile instead of one per optimizer-state leaf in eager mode."""
+    import jax
+
+    from slm.model.transformer import init_params
+    from slm.train.step import init_state
+
+    return jax.jit(lambda: init_state(init_params(model, seed, seq_len), tx))()

@@ -11,27 +11,17 @@ from slm.model.generate import generate_ids
 from slm.model.transformer import Transformer
 from slm.train.builder import load_run
 
-pytestmark = pytest.mark.slow  # each test here trains or loads real runs: end to end
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("small_run")]  # they read one real run (conftest)
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, data_dir):
-    import train_optimized
-
-    out = tmp_path_factory.mktemp("gen") / "run"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        code = train_optimized.main([
-            "--use-streaming", "--dataset-id", str(data_dir / "tinyshakespeare_train.txt"),
-            "--target-params", "200000", "--max-steps", "4", "--eval-every", "4", "--output-dir", str(out),
-            "--seq-len", "32", "--batch-size", "4", "--eval-tokens", "1024", "--vocab-size", "512"])
-    assert code == 0
-    return out
+@pytest.fixture()
+def tiny_run(small_run):
+    return small_run
 
 
 def test_cli_streams_the_greedy_text_and_reports_speed(tiny_run, capsys):
 
-    prompt, n_new = "ROMEO: wherefore", 40  # 40 new tokens run past the trained --seq-len 32
+    prompt, n_new = "ROMEO: wherefore", 72  # 72 new tokens run past the trained --seq-len 64
     code = generate.main(["--run", str(tiny_run), "--prompt", prompt, "--max-new-tokens", str(n_new),
                           "--temperature", "0", "--ignore-eot"])
     captured = capsys.readouterr()
@@ -39,7 +29,7 @@ def test_cli_streams_the_greedy_text_and_reports_speed(tiny_run, capsys):
     err_lines = captured.err.strip().splitlines()
     assert err_lines[-1].startswith("[generate] step 4 | prefill ") and "tokens/s" in err_lines[-1]
     assert "ms to first token" in err_lines[-1] and f"decode {n_new - 1} tokens" in err_lines[-1]
-    assert any(line.startswith("warning: ") and "--seq-len 32" in line for line in err_lines)
+    assert any(line.startswith("warning: ") and "--seq-len 64" in line for line in err_lines)
     assert "Traceback" not in captured.err
 
     run = load_run(str(tiny_run))

@@ -41,16 +41,17 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
     """A trained state with MultiSteps accumulators comes back bit for bit, with its record."""
     import jax
     import numpy as np
+    from helpers import fresh_state
 
     from slm.io.checkpoints import Checkpointer
     from slm.model.sizing import ModelShape
-    from slm.model.transformer import Transformer, init_params
+    from slm.model.transformer import Transformer
     from slm.optim.optimizer import make_optimizer
-    from slm.train.step import init_state, make_train_step
+    from slm.train.step import make_train_step
 
     shape, L = ModelShape(vocab_size=64, n_layers=2, d_model=32, n_heads=1, d_ff=96), 12
     model, tx = Transformer(shape), make_optimizer(accumulation=2)
-    state, step = init_state(init_params(model, 0, L), tx), make_train_step(model, tx)
+    state, step = fresh_state(model, tx, L), make_train_step(model, tx)
     ids = np.random.default_rng(0).integers(0, 64, (3, 2, L + 1)).astype(np.int32)
     for b in ids:
         state, _ = step(state, {"input_ids": b[:, :-1], "targets": b[:, 1:]}, np.float32(1e-2))

@@ -113,16 +113,9 @@ def test_random_model_logits_match_and_a_wrong_mapping_does_not(tmp_path):
     assert _compare_batch(hf, model, params, prompts, pad=0) < TOL
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, data_dir):
-    from train_optimized import main
-
-    out = tmp_path_factory.mktemp("export") / "run"
-    code = main(["--use-streaming", "--dataset-id", str(data_dir / "tinyshakespeare_train.txt"),
-                 "--target-params", "200000", "--seq-len", "64", "--batch-size", "8", "--eval-tokens", "2048",
-                 "--max-steps", "3", "--eval-every", "3", "--output-dir", str(out)])
-    assert code == 0
-    return out
+@pytest.fixture()
+def run_dir(small_run):
+    return small_run
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -135,6 +128,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("small_run")
 def test_real_run_exports_and_loads_offline(run_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -171,11 +165,12 @@ def test_real_run_exports_and_loads_offline(run_dir, tmp_path):
     generated = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, len(prompts[0]) + 4)  # generation_config.json is usable
 
-    again = _cli("--run", str(run_dir), "--out", str(out), "--force", "--step", "3")
+    again = _cli("--run", str(run_dir), "--out", str(out), "--force", "--step", "4")
     assert again.returncode == 0, again.stderr[-3000:]
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("small_run")
 def test_bad_input_is_one_line_exit_2(run_dir, tmp_path, capsys):
     full = tmp_path / "full"
     full.mkdir()

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import fresh_state
 
 import slm.optim.adam8bit as adam8bit
 from slm.io.checkpoints import Checkpointer
@@ -26,7 +27,7 @@ def _batch(shape, batch=4, seq=32, seed=0):
 def test_checkpoint_round_trip_is_bit_exact(tmp_path):
     shape = choose_shape(200_000, 512)
     model, tx = Transformer(shape), make_optimizer(use_8bit=True)
-    state = init_state(init_params(model, 0, 32), tx)
+    state = fresh_state(model, tx, 32)
     step = make_train_step(model, tx)
     for i in range(3):
         state, _ = step(state, _batch(shape, seed=i), np.float32(3e-3))
@@ -53,7 +54,7 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
 def test_composes_with_multisteps_bf16_clipping_and_decay():
     shape = choose_shape(200_000, 512)
     model, tx = Transformer(shape, dtype=jnp.bfloat16), make_optimizer(0.1, 1.0, accumulation=2, use_8bit=True)
-    state = init_state(init_params(model, 0, 32), tx)
+    state = fresh_state(model, tx, 32)
     step = make_train_step(model, tx)
     before = jax.tree.map(np.asarray, state.params)
     state, m = step(state, _batch(shape, seed=0), np.float32(3e-3))  # micro-step 1 of 2: no update yet

@@ -5,11 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import fresh_state
 
 from slm.model.sizing import ModelShape
 from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
-from slm.train.step import init_state, make_eval_step, make_train_step
+from slm.train.step import make_eval_step, make_train_step
 
 SHAPE = ModelShape(vocab_size=64, n_layers=2, d_model=32, n_heads=1, d_ff=96)
 L = 12
@@ -24,7 +25,7 @@ def _batches(n, B, seed=0):
 def _run(batches, accumulation, lr=1e-2, **opt):
     model = Transformer(SHAPE)
     tx = make_optimizer(accumulation=accumulation, **opt)
-    state = init_state(init_params(model, 0, L), tx)
+    state = fresh_state(model, tx, L)
     step = make_train_step(model, tx)
     for b in batches:
         state, _ = step(state, b, np.float32(lr))
@@ -50,7 +51,7 @@ def test_multisteps_k_micro_batches_equal_one_big_batch():
 def test_no_update_between_accumulation_boundaries():
     model = Transformer(SHAPE)
     tx = make_optimizer(accumulation=3)
-    state = init_state(init_params(model, 0, L), tx)
+    state = fresh_state(model, tx, L)
     before = jax.tree.map(np.asarray, state.params)
     step = make_train_step(model, tx)
     for b in _batches(2, 2):
@@ -85,7 +86,7 @@ def test_update_matches_optax_adamw():
 def test_loss_falls_when_overfitting_one_batch():
     model = Transformer(SHAPE)
     tx = make_optimizer(accumulation=1)
-    state = init_state(init_params(model, 0, L), tx)
+    state = fresh_state(model, tx, L)
     step = make_train_step(model, tx)
     b = _batches(1, 4)[0]
     losses = []
