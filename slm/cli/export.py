@@ -50,7 +50,7 @@ def run(args: argparse.Namespace, err: Any = sys.stderr) -> list[str]:
     shape, config = loaded.shape, loaded.config
     max_positions = max(int(config.get("seq_len") or 0), 1)
     try:
-        written = write_export(args.out, loaded.params, shape, max_positions, tokenizer=loaded.tokenizer,
+        written = write_export(args.out, loaded.params, shape, max_positions, tokenizer=loaded.tokenizer, special=loaded.special,
                                tokenizer_file=os.path.join(args.run, "tokenizer.json"),
                                metadata={"step": str(loaded.step)})
     except OSError as e:

@@ -2,8 +2,8 @@
 
 Loads the run's newest (or `--step`) checkpoint and tokenizer, and streams the continuation to stdout as it
 is produced (slm.model.generate.Decoder: a KV cache, two compiled programs), then one line on stderr with
-prefill time and decode tokens/s. The prompt follows an end-of-text token, as documents do in training,
-and generation stops at the next end-of-text unless --ignore-eot.
+prefill time and decode tokens/s. The prompt follows the token documents start after in training (the
+end-of-text token, or the tokenizer's bos), and generation stops at the next end-of-text unless --ignore-eot.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from slm.cli.common import Parser, run_main
-from slm.data.tokenizer import TextStream, eot_id
+from slm.data.tokenizer import TextStream, sample_start
 from slm.errors import GenerateError
 from slm.model.generate import Decoder
 from slm.model.transformer import Transformer
@@ -69,12 +69,13 @@ def run(args: argparse.Namespace, out: Any = None, err: Any = None) -> None:
     loaded = load_run(args.run, args.step)  # its RunErrors are one-line messages too
     tokenizer, config = loaded.tokenizer, loaded.config
     model = Transformer(loaded.shape, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
-    eot = eot_id(tokenizer)
-    prompt_ids = [eot] + tokenizer.encode(args.prompt, add_special_tokens=False).ids
+    eot = loaded.special.eos  # None: a tokenizer with no end-of-text token, generation runs to the end
+    prompt_ids = loaded.special.start + tokenizer.encode(args.prompt, add_special_tokens=False).ids
+    prompt_ids = prompt_ids or sample_start(tokenizer, loaded.special)
     total = len(prompt_ids) + args.max_new_tokens
     seq_len = config.get("seq_len")
     if seq_len and total > seq_len:
-        print(f"warning: {len(prompt_ids)} prompt tokens (with the end-of-text start) + --max-new-tokens "
+        print(f"warning: {len(prompt_ids)} prompt tokens (with the start token) + --max-new-tokens "
               f"{args.max_new_tokens} = {total} positions, beyond the run's trained --seq-len {seq_len}; "
               f"text past position {seq_len} may degrade", file=err)
 

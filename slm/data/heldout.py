@@ -14,7 +14,7 @@ import numpy as np
 
 from slm.data.packing import encode_documents, pack_rows
 from slm.data.sources import TextSource
-from slm.data.tokenizer import eot_id, token_byte_lengths
+from slm.data.tokenizer import SpecialIds, special_ids, token_byte_lengths
 from slm.errors import DatasetError
 
 
@@ -41,30 +41,33 @@ class EvalSet:
     name: str
 
 
-def build_eval_set(docs: Iterable[str], tokenizer, seq_len: int, max_tokens: int | None, name: str) -> EvalSet:
+def build_eval_set(docs: Iterable[str], tokenizer, seq_len: int, max_tokens: int | None, name: str,
+                   special: SpecialIds | None = None) -> EvalSet:
     """Pack `docs` (at most `max_tokens` scored tokens when given) into eval rows; bytes for bits/byte."""
-    eot = eot_id(tokenizer)
+    special = special or special_ids(tokenizer)
     parts, n = [], 0
     batch: list[str] = []
     for doc in docs:
         batch.append(doc)
         if len(batch) == 256:
-            parts.append(encode_documents(tokenizer, batch, eot))
+            parts.append(encode_documents(tokenizer, batch, special))
             n += len(parts[-1])
             batch = []
             if max_tokens and n > max_tokens:
                 break
     if batch:
-        parts.append(encode_documents(tokenizer, batch, eot))
+        parts.append(encode_documents(tokenizer, batch, special))
     if not parts:
         raise DatasetError(f"{name}: the held-out set is empty; pass --eval-dataset-id or more data")
-    # Score tokens 1..n (every token after the first, which has no context), packed with no overlap.
-    tokens = np.concatenate([[eot], np.concatenate(parts)]).astype(np.int32)
+    # Score tokens 1..n (every token after the first, which has no context), packed with no overlap. The
+    # first is the separator a document follows in training (eos), or the first document's own bos.
+    prefix = [] if special.lead else special.start
+    tokens = np.concatenate([prefix, np.concatenate(parts)]).astype(np.int32)
     if max_tokens:
         tokens = tokens[: max_tokens + 1]
     n_targets = len(tokens) - 1
     n_rows = math.ceil(n_targets / seq_len)
-    padded = np.full(n_rows * seq_len + 1, eot, np.int32)
+    padded = np.zeros(n_rows * seq_len + 1, np.int32)  # the tail past n_targets is masked
     padded[: len(tokens)] = tokens
     rows, _ = pack_rows(padded, seq_len, seq_len)
     mask = (np.arange(n_rows * seq_len) < n_targets).reshape(n_rows, seq_len).astype(np.float32)

@@ -10,17 +10,23 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from slm.data.sources import TextSource
-from slm.data.tokenizer import eot_id
-from slm.errors import DatasetError
+from slm.data.tokenizer import SpecialIds, special_ids
+from slm.errors import DatasetError, TokenizerError, first_line
 
 
-def encode_documents(tokenizer, docs: Sequence[str], eot: int) -> np.ndarray:
-    """Tokenize documents with one `encode_batch` call; each document is followed by `eot`."""
-    encodings = tokenizer.encode_batch(list(docs), add_special_tokens=False)
+def encode_documents(tokenizer, docs: Sequence[str], special: SpecialIds) -> np.ndarray:
+    """Tokenize documents with one `encode_batch` call, each wrapped in the separators `special` gives."""
+    try:
+        encodings = tokenizer.encode_batch(list(docs), add_special_tokens=False)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception, e.g. an unknown token and no unk
+        raise TokenizerError(f"the tokenizer cannot encode this data ({first_line(e, 120)}); use a tokenizer "
+                             f"with an unknown token or byte fallback, or --vocab-size N to train one") from None
+    lead, tail = special.lead, special.tail
     flat: list[int] = []
     for e in encodings:  # `e.ids` builds a new Python list on every access: read it once
+        flat.extend(lead)
         flat.extend(e.ids)
-        flat.append(eot)
+        flat.extend(tail)
     return np.array(flat, dtype=np.int32)
 
 
@@ -46,12 +52,13 @@ def prepare_sequences(
     max_examples: int | None = None,
     skip_documents: int = 0,
     chunk_docs: int = 512,
+    special: SpecialIds | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The original full-load path: tokenize everything up front into (inputs, targets) arrays.
 
     Memory grows with the dataset (that is the point of comparing it with StreamingDataLoader).
     """
-    eot = eot_id(tokenizer)
+    special = special or special_ids(tokenizer)
     stride = stride or seq_len
     parts, batch = [], []
     for i, doc in enumerate(source.documents(skip_head=skip_documents)):
@@ -59,10 +66,10 @@ def prepare_sequences(
             break
         batch.append(doc)
         if len(batch) >= chunk_docs:
-            parts.append(encode_documents(tokenizer, batch, eot))
+            parts.append(encode_documents(tokenizer, batch, special))
             batch = []
     if batch:
-        parts.append(encode_documents(tokenizer, batch, eot))
+        parts.append(encode_documents(tokenizer, batch, special))
     tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     rows, _ = pack_rows(tokens, seq_len, stride)
     if len(rows) == 0:

@@ -130,7 +130,21 @@ def _blank_tail(text: str, prev: int) -> int:
     return len(text) - j if not text[j + 1 :].strip(" \t\r") else 0
 
 
-def _read_txt(path: str, chunk_bytes: int = 1 << 20) -> Iterator[str]:
+MAX_DOC_CHARS = 1 << 22  # a longer document is cut into pieces of at most this (4M characters, ~1M tokens)
+
+
+def _cut(pending: list[str], tail: int, limit: int) -> tuple[str, str]:
+    """A huge pending document split into (a piece to yield, the rest to keep): after the last space in
+    the second half of the first `limit` characters (else at `limit`), and never inside the last `tail`
+    characters, which may begin a separator. Empties `pending`, so the pieces are not held twice."""
+    text = "".join(pending)
+    pending.clear()
+    end = min(limit, len(text) - tail)
+    at = text.rfind(" ", end // 2, end) + 1 or end
+    return text[:at], text[at:]
+
+
+def _read_txt(path: str, chunk_bytes: int = 1 << 20, max_doc_chars: int = MAX_DOC_CHARS) -> Iterator[str]:
     """Documents of a text file, split on `<|endoftext|>` if the file has one, else on blank lines.
 
     Invalid UTF-8 is decoded with replacement characters (one U+FFFD per invalid sequence); the
@@ -139,7 +153,9 @@ def _read_txt(path: str, chunk_bytes: int = 1 << 20) -> Iterator[str]:
     Linear time, memory ~ one document + one chunk, even for a huge document without separators:
     each chunk is scanned once, plus only the short end of the pending document that could begin
     a separator (the last len(EOT)-1 characters, or a trailing newline + blanks, scanned as "\n").
-    The result equals splitting the whole file's text at once.
+    The result equals splitting the whole file's text at once, except that a document longer than
+    `max_doc_chars` comes as several documents (cut at whitespace by `_cut`): memory stays bounded even
+    for a 100 MB line, and a separator every ~1M tokens costs nothing a model of any seq-len would see.
     """
     separator = EOT_TEXT if _file_contains(path, EOT_TEXT.encode()) else None
     decoder = codecs.getincrementaldecoder("utf-8")(errors=_REPLACE)
@@ -171,6 +187,11 @@ def _read_txt(path: str, chunk_bytes: int = 1 << 20) -> Iterator[str]:
                     tail = len(eot_tail)
                 else:
                     tail = _blank_tail(text, tail)
+                if pending_len > max_doc_chars + tail:  # the rest keeps the tail: the scan state stays valid
+                    piece, rest = _cut(pending, tail, max_doc_chars)
+                    pending, pending_len = [rest], len(rest)
+                    yield from finish(piece)
+                    del piece
             else:
                 head = parts[0]
                 if len(head) < len(prefix):  # the separator began inside the pending tail
@@ -237,6 +258,15 @@ def _jsonl_rows(path: str) -> Iterator:
                 raise DatasetError(f"{path}:{lineno}: malformed JSON line ({msg}); fix or remove that line")
 
 
+def _is_text(t) -> bool:
+    """string, large_string, string_view (pyarrow >= 16 and Polars write it), or a dictionary of them."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
 def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
     import pyarrow.parquet as pq
 
@@ -245,7 +275,7 @@ def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
     except Exception as e:
         raise DatasetError(f"{path}: not a readable Parquet file ({first_line(e, 120)})")
     names = pf.schema_arrow.names
-    strings = [n for n in names if str(pf.schema_arrow.field(n).type) in ("string", "large_string")]
+    strings = [n for n in names if _is_text(pf.schema_arrow.field(n).type)]
     column = pick_text_column(names, text_column, path, {n: "" for n in strings})
     batches = pf.iter_batches(columns=[column], batch_size=1024)
     while True:

@@ -4,9 +4,10 @@ A source is anything with `documents(shuffle_seed=None, skip_head=0, shard=None)
 pass over the documents, leaving out the first `skip_head` of them in the source's natural (unshuffled)
 order, which is how the trainer holds out an eval slice that shuffling can never bring back into
 training. Local files are read incrementally (slm.data.readers), so the streaming loader's memory does
-not grow with the dataset. A directory or glob means every supported file in it, in sorted order;
-files of other types are skipped, with a count. A file named on its own must have one of
-LOCAL_EXTENSIONS.
+not grow with the dataset. A directory means every supported file in it, in sorted order; files of
+other types (a hub snapshot's README, .gitattributes) are skipped, with a count. A file or glob must
+name only files with one of LOCAL_EXTENSIONS: the others are refused, named, since the user asked for
+them and reading e.g. a .gz as text would train on garbage.
 
 No jax here: numpy + tokenizers + datasets only.
 """
@@ -201,14 +202,15 @@ def local_paths(spec: str, flag: str = "--dataset-id", log=print) -> list[str] |
                                f"rename or convert it to one of {' '.join(LOCAL_EXTENSIONS)}")
         return [spec]
     if any(ch in spec for ch in "*?["):
-        found = [p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
+        found = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
         if not found:
             raise DatasetError(f"{flag} {spec}: the glob matches no files")
-        paths = _skip_unsupported(found, flag, spec, log)
-        if not paths:
-            raise DatasetError(f"{flag} {spec}: the glob matches only unsupported files; "
-                               f"supported: {' '.join(LOCAL_EXTENSIONS)}")
-        return paths
+        unsupported = [p for p in found if not _supported(p)]
+        if unsupported:
+            named = ", ".join(unsupported[:3]) + (f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else "")
+            raise DatasetError(f"{flag} {spec}: the glob matches {len(unsupported)} file(s) of unsupported type "
+                               f"({named}); narrow it to {'/'.join(LOCAL_EXTENSIONS)} files")
+        return found
     if _looks_like_path(spec):
         raise DatasetError(f"{flag} {spec}: no such file or directory; check the path")
     return None

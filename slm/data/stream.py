@@ -16,6 +16,7 @@ No jax here: numpy + tokenizers + datasets only.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import Iterator
@@ -24,10 +25,11 @@ import numpy as np
 
 from slm.data.packing import encode_documents, pack_rows
 from slm.data.sources import TextSource, resolve_source
-from slm.data.tokenizer import eot_id, load_tokenizer
+from slm.data.tokenizer import SpecialIds, load_tokenizer, special_ids
 from slm.errors import DatasetError
 
 Batch = dict[str, np.ndarray]
+_log = logging.getLogger(__name__)
 _END = object()
 
 
@@ -52,6 +54,7 @@ class StreamingDataLoader:
         prefetch: int = 2,
         chunk_chars: int = 256_000,
         shard: tuple[int, int] | None = None,
+        special: SpecialIds | None = None,
     ):
         if tokenizer is None:
             raise ValueError("StreamingDataLoader needs a tokenizer (a tokenizers.Tokenizer or a tokenizer.json path)")
@@ -67,7 +70,11 @@ class StreamingDataLoader:
         if max_examples is not None and max_examples < 1:
             raise DatasetError(f"--max-examples {max_examples}: must be positive")
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        self.eot = eot_id(self.tokenizer)
+        if special is None:  # given by the trainer, which logs it; found here for a notebook user, who is told
+            special = special_ids(self.tokenizer, tokenizer if isinstance(tokenizer, str) else None)
+            if special.eos is None:
+                _log.warning("[data] %s", special.describe(self.tokenizer))
+        self.special = special
         if isinstance(dataset_id, TextSource):
             self.source = dataset_id
         else:
@@ -184,7 +191,7 @@ class StreamingDataLoader:
 
         def flush() -> Iterator[tuple[Batch, dict]]:
             nonlocal carry
-            tokens = encode_documents(self.tokenizer, chunk, self.eot)
+            tokens = encode_documents(self.tokenizer, chunk, self.special)
             self.tokens_read += len(tokens)
             carry = np.concatenate([carry, tokens]) if len(carry) else tokens
             self.max_carry_tokens = max(self.max_carry_tokens, len(carry))

@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from slm.data.tokenizer import eot_id
+from slm.data.tokenizer import SpecialIds, special_ids
 from slm.errors import ExportError
 from slm.model.sizing import ModelShape
 
@@ -107,7 +107,7 @@ def hf_state_dict(params: Mapping[str, Any], shape: ModelShape) -> dict[str, np.
     return out
 
 
-def hf_config(shape: ModelShape, max_positions: int, eot: int) -> dict:
+def hf_config(shape: ModelShape, max_positions: int, special: SpecialIds) -> dict:
     """config.json for LlamaForCausalLM.
 
     transformers 5.x spells RoPE as `rope_parameters: {rope_type, rope_theta}` and the dtype as `dtype`;
@@ -134,8 +134,8 @@ def hf_config(shape: ModelShape, max_positions: int, eot: int) -> dict:
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "tie_word_embeddings": True,
-        "bos_token_id": eot,
-        "eos_token_id": eot,
+        "bos_token_id": special.start[0] if special.start else None,
+        "eos_token_id": special.eos,
         "pad_token_id": None,
         "initializer_range": 0.02,
         "pretraining_tp": 1,
@@ -145,16 +145,19 @@ def hf_config(shape: ModelShape, max_positions: int, eot: int) -> dict:
     }
 
 
-def generation_config(eot: int) -> dict:
+def generation_config(special: SpecialIds) -> dict:
     """Stop at end-of-text; pad with it too (no separate pad token), so generate() does not warn."""
-    return {"_from_model_config": False, "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}
+    bos = special.start[0] if special.start else None
+    return {"_from_model_config": False, "bos_token_id": bos, "eos_token_id": special.eos,
+            "pad_token_id": special.eos if special.eos is not None else bos}
 
 
-def tokenizer_config(eot_token: str, max_positions: int) -> dict:
+def tokenizer_config(tokenizer: Any, special: SpecialIds, max_positions: int) -> dict:
+    name = lambda i: None if i is None else tokenizer.id_to_token(i)
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": eot_token,
-        "eos_token": eot_token,
+        "bos_token": name(special.start[0] if special.start else None),
+        "eos_token": name(special.eos),
         "model_max_length": int(max_positions),
         "clean_up_tokenization_spaces": False,
     }
@@ -167,23 +170,22 @@ def _write_json(path: str, obj: dict) -> None:
 
 
 def write_export(out_dir: str, params: Mapping[str, Any], shape: ModelShape, max_positions: int,
-                 tokenizer: Any | None = None, eot: int | None = None, tokenizer_file: str | None = None,
+                 tokenizer: Any | None = None, special: SpecialIds | None = None, tokenizer_file: str | None = None,
                  metadata: Mapping[str, str] | None = None) -> list[str]:
     """Write the HF folder; returns the file names written.
 
     `tokenizer` (a tokenizers.Tokenizer) is optional so a bare model can be exported in tests; without
-    it `eot` must be given and no tokenizer files are written. `tokenizer_file`, the tokenizer.json it
+    it no tokenizer files are written. `special` (default: found in the tokenizer) names bos and eos. `tokenizer_file`, the tokenizer.json it
     was loaded from, is copied byte for byte when given (else the tokenizer is serialized).
     """
     from safetensors.numpy import save_file
 
     if tokenizer is not None:
-        eot = eot_id(tokenizer)
+        special = special or special_ids(tokenizer)
         if tokenizer.get_vocab_size() > shape.vocab_size:
             raise ExportError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
                               f"vocab_size {shape.vocab_size}")
-    if eot is None:
-        raise ExportError("no end-of-text id: pass a tokenizer or eot")
+    special = special or SpecialIds(None, None, "none")
     tensors = hf_state_dict(params, shape)
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, WEIGHTS)
@@ -191,8 +193,8 @@ def write_export(out_dir: str, params: Mapping[str, Any], shape: ModelShape, max
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(weights, 0o666 & ~umask)  # save_file creates it 0600 (a temp file); make it like the others
-    _write_json(os.path.join(out_dir, "config.json"), hf_config(shape, max_positions, eot))
-    _write_json(os.path.join(out_dir, "generation_config.json"), generation_config(eot))
+    _write_json(os.path.join(out_dir, "config.json"), hf_config(shape, max_positions, special))
+    _write_json(os.path.join(out_dir, "generation_config.json"), generation_config(special))
     written = ["config.json", WEIGHTS, "generation_config.json"]
     if tokenizer is not None:
         if tokenizer_file is not None:
@@ -200,6 +202,6 @@ def write_export(out_dir: str, params: Mapping[str, Any], shape: ModelShape, max
         else:
             tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
         _write_json(os.path.join(out_dir, "tokenizer_config.json"),
-                    tokenizer_config(tokenizer.id_to_token(eot), max_positions))
+                    tokenizer_config(tokenizer, special, max_positions))
         written += ["tokenizer.json", "tokenizer_config.json"]
     return written

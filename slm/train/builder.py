@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from slm.data.tokenizer import load_tokenizer
+from slm.data.tokenizer import SpecialIds, load_tokenizer, special_ids
 from slm.errors import RunError, TokenizerError, first_line
 from slm.io.checkpoints import Checkpointer
 from slm.memory.host import MB
@@ -132,6 +132,7 @@ class LoadedRun:
     shape: ModelShape
     params: Any
     tokenizer: Any
+    special: SpecialIds  # what training packed documents with
     step: int
 
 
@@ -154,8 +155,9 @@ def load_run(run_dir: str, step: int | None = None) -> LoadedRun:
         tokenizer = load_tokenizer(os.path.join(run_dir, "tokenizer.json"))
     except TokenizerError as e:
         raise RunError(str(e)) from None
+    special = special_ids(tokenizer, os.path.join(run_dir, "tokenizer.json"))
     try:
-        return _restore(run_dir, step, tokenizer)
+        return _restore(run_dir, step, tokenizer, special)
     except RunError:
         raise
     except Exception as e:  # noqa: BLE001 - a corrupt or foreign checkpoint: say which and why, in one line
@@ -163,7 +165,7 @@ def load_run(run_dir: str, step: int | None = None) -> LoadedRun:
                        f"{first_line(e)})") from None
 
 
-def _restore(run_dir: str, step: int | None, tokenizer: Any) -> LoadedRun:
+def _restore(run_dir: str, step: int | None, tokenizer: Any, special: SpecialIds) -> LoadedRun:
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
     shape = ModelShape(**config["model"])
@@ -180,4 +182,4 @@ def _restore(run_dir: str, step: int | None, tokenizer: Any) -> LoadedRun:
         state, meta, _ = ckpt.restore(abstract, step)
     finally:
         ckpt.close()
-    return LoadedRun(config, shape, state.params, tokenizer, int(meta["step"]))
+    return LoadedRun(config, shape, state.params, tokenizer, special, int(meta["step"]))

@@ -8,7 +8,6 @@ import jax
 import numpy as np
 
 from slm.data.heldout import EvalSet
-from slm.data.tokenizer import eot_id
 from slm.model.generate import Decoder, generate_ids
 from slm.model.transformer import Transformer
 from slm.train.devices import Processes, replicated_batch
@@ -18,12 +17,12 @@ from slm.train.step import make_eval_step
 
 class Evaluator:
     """Sums the held-out set's nats in fixed-size batches (padded, so the eval step compiles once), and
-    samples a sequence from an end-of-text token with the KV-cache decoder."""
+    samples a sequence from the tokens a document starts after (`start_ids`) with the KV-cache decoder."""
 
     def __init__(self, model: Transformer, eval_set: EvalSet, batch_size: int, batch_sharding: Any, tokenizer: Any,
-                 seq_len: int, seed: int, procs: Processes, signals: SignalWatcher, samples_path: str | None):
+                 start_ids: list[int], seq_len: int, seed: int, procs: Processes, signals: SignalWatcher, samples_path: str | None):
         self.model, self.eval_set, self.batch_size, self.batch_sharding = model, eval_set, batch_size, batch_sharding
-        self.tokenizer, self.seq_len, self.seed = tokenizer, seq_len, seed
+        self.tokenizer, self.start_ids, self.seq_len, self.seed = tokenizer, start_ids, seq_len, seed
         self.procs, self.signals, self.samples_path = procs, signals, samples_path
         self.eval_step = make_eval_step(model)
         self.decoder = Decoder(model)
@@ -45,7 +44,7 @@ class Evaluator:
 
     def sample(self, params: Any, step: int) -> str:
         """A seq_len-token sample (temperature 0.8, top-k 40; key from seed + step), also appended to samples.txt."""
-        ids = generate_ids(self.model, params, [eot_id(self.tokenizer)], self.seq_len - 1, decoder=self.decoder,
+        ids = generate_ids(self.model, params, self.start_ids, self.seq_len - len(self.start_ids), decoder=self.decoder,
                            temperature=0.8, top_k=40, key=jax.random.PRNGKey(self.seed + step))
         text = self.tokenizer.decode(ids[0].tolist())
         if self.samples_path is not None:

@@ -6,7 +6,8 @@ checkpoints, tracking, the non-finite guard, the stop conditions) is a `Callback
 each optimizer step. A callback that returns a reason stops the run: the callbacks after it do not run
 for that step, so a guard placed before the checkpoint callback stops the run before anything is saved.
 The step is any function (state, batch, lr) -> (state, {"loss", "finite"}), so the loop runs with a fake
-step in tests (tests/train/test_loop.py) and with the compiled jax step in training.
+step in tests (tests/train/test_loop.py) and with the compiled jax step in training. A step with a
+`flush(state, lr) -> state` method applies a partial accumulation left when the data runs out.
 """
 
 from __future__ import annotations
@@ -205,6 +206,8 @@ def run_loop(run: RunState, step: Step, open_epoch: OpenEpoch, callbacks: Sequen
         plan.schedule.epoch_done(run)
         for cb in callbacks:
             cb.on_epoch_end(run)
+    if not run.stopped:
+        _finish_accumulation(run, step, callbacks, plan, procs, clock)
     for cb in callbacks:
         cb.on_loop_end(run)
     t = run.timings
@@ -235,15 +238,34 @@ def _epoch(run: RunState, step: Step, batches: Iterator[dict], callbacks: Sequen
                 cb.on_first_step(run)
         if run.micro_step % plan.accumulation:
             continue
-        run.step += 1
-        run.tokens += plan.tokens_per_step
-        run.throughput.add(plan.tokens_per_step)
-        run.due = plan.cadence.due(run, clock(), procs)
-        for cb in callbacks:
-            if reason := cb.on_step(run):
-                run.stop(reason)
-                break
-        if procs.count > 1 and procs.any(run.stopped) and not run.stopped:
-            run.stop("another process stopped (time, signal or STOP file)")  # all stop at this step
+        _stepped(run, plan.tokens_per_step, callbacks, plan, procs, clock)
         if run.stopped:
             return
+
+
+def _stepped(run: RunState, tokens: int, callbacks: Sequence[Callback], plan: LoopPlan, procs: Processes,
+             clock: Callable[[], float]) -> None:
+    """Count an optimizer step of `tokens` global tokens and call the callbacks; any of them may stop the run."""
+    run.step += 1
+    run.tokens += tokens
+    run.throughput.add(tokens)
+    run.due = plan.cadence.due(run, clock(), procs)
+    for cb in callbacks:
+        if reason := cb.on_step(run):
+            run.stop(reason)
+            break
+    if procs.count > 1 and procs.any(run.stopped) and not run.stopped:
+        run.stop("another process stopped (time, signal or STOP file)")  # all stop at this step
+
+
+def _finish_accumulation(run: RunState, step: Step, callbacks: Sequence[Callback], plan: LoopPlan,
+                         procs: Processes, clock: Callable[[], float]) -> None:
+    """The data ran out m < k micro-batches into an accumulation: apply their mean gradient as one more
+    (smaller) optimizer step rather than drop them. Not after a stop: stops fall on whole steps."""
+    partial = run.micro_step % plan.accumulation
+    flush = getattr(step, "flush", None)
+    if not partial or flush is None:
+        return
+    run.lr = plan.schedule.lr(run, clock(), procs)
+    run.train_state = flush(run.train_state, np.float32(run.lr))
+    _stepped(run, partial * plan.micro_tokens, callbacks, plan, procs, clock)

@@ -20,7 +20,13 @@ import numpy as np
 from slm.data.heldout import EvalSet, build_eval_set, held_out_split
 from slm.data.packing import prepare_sequences
 from slm.data.sources import HubDataset, LocalFiles, TextSource, resolve_source
-from slm.data.tokenizer import load_tokenizer, train_bpe
+from slm.data.tokenizer import (
+    SpecialIds,
+    load_tokenizer,
+    special_ids,
+    train_bpe,
+    write_special_config,
+)
 from slm.errors import ConfigError, DatasetError
 from slm.io.tracking import require_wandb
 from slm.memory.estimate import estimate_memory_usage, fit_candidates, parse_size
@@ -105,6 +111,7 @@ class TrainData:
 
     source: TextSource
     tokenizer: Any
+    special: SpecialIds  # the document separator and start tokens
     tokenizer_s: float
     eval_set: EvalSet
     held_out_documents: int  # the stream's first documents, held out for eval (0: a separate eval source)
@@ -136,9 +143,10 @@ def hold_out_head(c: Config, source: TextSource) -> list[str]:
 
 
 def make_tokenizer(c: Config, source: TextSource, skip_documents: int, out: str, procs: Processes,
-                   log: Log) -> tuple[Any, float]:
+                   log: Log) -> tuple[Any, SpecialIds, float]:
     """--tokenizer, or a BPE trained on the training stream (on process 0, sent to the others: no shared
-    filesystem needed); saved as the run's tokenizer.json. Returns (tokenizer, seconds)."""
+    filesystem needed); saved as the run's tokenizer.json with a tokenizer_config.json naming its separator.
+    Returns (tokenizer, its special ids, seconds)."""
     from tokenizers import Tokenizer
 
     def build() -> list:
@@ -149,11 +157,16 @@ def make_tokenizer(c: Config, source: TextSource, skip_documents: int, out: str,
             tok = train_bpe(source.documents(skip_head=skip_documents), c.vocab_size or default_vocab_size(c.target_params))
             log(f"[tokenizer] trained a byte-level BPE with {tok.get_vocab_size():,} tokens in {time.time() - t:.1f}s")
         seconds = time.time() - t
+        special = special_ids(tok, c.tokenizer)
         tok.save(os.path.join(out, "tokenizer.json"))
-        return [tok.to_str(), seconds] if procs.count > 1 else [tok, seconds]
+        write_special_config(os.path.join(out, "tokenizer_config.json"), tok, special)
+        return [tok.to_str() if procs.count > 1 else tok, [special.eos, special.bos, special.found], seconds]
 
-    tok, seconds = procs.decide0(build)
-    return (Tokenizer.from_str(tok) if isinstance(tok, str) else tok), seconds
+    tok, special, seconds = procs.decide0(build)
+    tok = Tokenizer.from_str(tok) if isinstance(tok, str) else tok
+    special = SpecialIds(*special)
+    log(f"[tokenizer] {special.describe(tok)}")
+    return tok, special, seconds
 
 
 def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
@@ -162,26 +175,28 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
                             text_column=c.text_column, streaming=c.use_streaming, log=log)
     eval_source = eval_source_of(c, source, log)
     heldout = hold_out_head(c, source) if eval_source is None else []
-    tokenizer, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log)
+    tokenizer, special, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log)
     shape = choose_shape(c.target_params, tokenizer.get_vocab_size(), c.n_layers, c.d_model, c.n_heads)
     c.learning_rate = c.learning_rate or default_learning_rate(count_params(shape))
     if eval_source is not None:
         whole = isinstance(eval_source, LocalFiles)  # a separate local file is scored whole, a hub split capped
         eval_set = build_eval_set(eval_source.documents(), tokenizer, c.seq_len, None if whole else c.eval_tokens,
-                                  eval_source.name)
+                                  eval_source.name, special)
     else:
-        eval_set = build_eval_set(heldout, tokenizer, c.seq_len, c.eval_tokens, f"{source.name} (held-out head)")
+        eval_set = build_eval_set(heldout, tokenizer, c.seq_len, c.eval_tokens, f"{source.name} (held-out head)",
+                                  special)
     rows = None
     if c.use_streaming:
         data_mb = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size)["streaming_mb"]
     else:
-        inputs, targets = prepare_sequences(source, tokenizer, c.seq_len, c.stride, c.max_examples, len(heldout))
+        inputs, targets = prepare_sequences(source, tokenizer, c.seq_len, c.stride, c.max_examples, len(heldout),
+                                            special=special)
         rows = inputs[procs.index::procs.count], targets[procs.index::procs.count]  # this process's rows
         if len(rows[0]) < c.batch_size // procs.count:
             raise DatasetError(f"{source.name}: {len(rows[0])} sequences, fewer than --batch-size {c.batch_size}")
         data_mb = (rows[0].nbytes + rows[1].nbytes) / 2**20
         log(f"[data] full load: {rows[0].shape[0]:,} sequences, {data_mb:.1f} MB in memory")
-    return TrainData(source, tokenizer, tok_s, eval_set, len(heldout), shape, data_mb, rows)
+    return TrainData(source, tokenizer, special, tok_s, eval_set, len(heldout), shape, data_mb, rows)
 
 
 FIT_KEYS = ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "use_mixed_precision",

@@ -27,6 +27,7 @@ import numpy as np
 
 from slm.data.packing import full_load_batches
 from slm.data.stream import StreamingDataLoader
+from slm.data.tokenizer import sample_start
 from slm.errors import ConfigError, DatasetError
 from slm.io.checkpoints import Checkpointer
 from slm.io.metrics import MetricsLog
@@ -48,6 +49,7 @@ from slm.train.prepare import (
     setup_data,
 )
 from slm.train.resume import check_process_count
+from slm.train.step import make_flush_step
 
 __all__ = ["Config", "train"]
 Log = Callable[[str], None]
@@ -106,6 +108,7 @@ class DeviceStep:
     compiled: Any
     batch_sharding: Any
     sync: bool
+    flush: Any = None  # slm.train.step.make_flush_step's, with accumulation: compiled if the data ends mid-step
 
     def __call__(self, state: Any, batch: dict, lr: np.float32) -> tuple[Any, dict]:
         from slm.train.devices import global_batch
@@ -163,15 +166,18 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
                                      batch_size=c.batch_size // procs.count,
                                      shuffle_buffer_size=c.shuffle_buffer_size, seed=c.seed, stride=c.stride,
                                      max_examples=c.max_examples, skip_documents=data.held_out_documents,
-                                     shard=(procs.index, procs.count) if procs.count > 1 else None)
+                                     shard=(procs.index, procs.count) if procs.count > 1 else None,
+                                     special=data.special)
     batches = Batches(loader, data.rows, c.batch_size // procs.count, c.seed, resumed.get("loader"),
                       run.epoch_micro)
     callbacks = make_callbacks(c, data, built, facts, resolved, peak[0], ckpt, loader, env, resumed) + extra
     closing = env.stack.enter_context(ExitStack())  # each callback closed once: at the end, or on an error
     for cb in reversed(callbacks):
         closing.callback(cb.close)
-    run_loop(run, DeviceStep(compiled, built.batch_sharding, needs_step_sync(mesh)), batches.open, callbacks, lplan,
-             procs, env.clock, resumed=bool(resumed))
+    accumulating = c.gradient_accumulation_steps > 1
+    flush = make_flush_step(built.tx, built.state_sharding, built.batch_sharding) if accumulating else None
+    run_loop(run, DeviceStep(compiled, built.batch_sharding, needs_step_sync(mesh), flush), batches.open, callbacks,
+             lplan, procs, env.clock, resumed=bool(resumed))
     if run.step == 0:
         raise DatasetError(f"{data.source.name}: no complete optimizer step was possible; use more data or a "
                            f"smaller batch")
@@ -308,8 +314,8 @@ def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, reso
     console = Console(log, progress_bar(c.max_steps) if procs.primary else None)
     emit = Emitter(metrics, trackers, console)
     plot = LossPlot(out, procs.primary, log, emit)
-    evaluator = Evaluator(built.model, data.eval_set, c.batch_size, built.batch_sharding, data.tokenizer, c.seq_len,
-                          c.seed, procs, env.signals, os.path.join(out, "samples.txt") if procs.primary else None)
+    evaluator = Evaluator(built.model, data.eval_set, c.batch_size, built.batch_sharding, data.tokenizer,
+                          sample_start(data.tokenizer, data.special), c.seq_len, c.seed, procs, env.signals, os.path.join(out, "samples.txt") if procs.primary else None)
     monitor = env.monitor
     return [console,
             LogMetrics(emit, facts.model_flops_per_token, peak, facts.devices, env.start, lambda: monitor.device_mb,

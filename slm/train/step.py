@@ -57,6 +57,27 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, state_
                    out_shardings=(state_sharding, replicated))
 
 
+def make_flush_step(tx: optax.MultiSteps, state_sharding: PyTree = None, batch_sharding: Any = None):
+    """jit(state, lr) -> state: apply a partial accumulation (the data ran out after m < k micro-batches).
+
+    MultiSteps holds the running mean of the m gradients; this takes the optimizer step on that mean (a
+    step on a batch m/k as large) and resets the accumulator, instead of dropping those micro-batches.
+    """
+
+    def flush(state: TrainState, lr: jax.Array) -> TrainState:
+        ms = state.opt_state
+        updates, inner = tx.inner_opt.update(ms.acc_grads, ms.inner_opt_state, state.params)
+        params = jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), state.params, updates)
+        opt_state = ms._replace(mini_step=jnp.zeros_like(ms.mini_step), gradient_step=ms.gradient_step + 1,
+                                inner_opt_state=inner, acc_grads=jax.tree.map(jnp.zeros_like, ms.acc_grads))
+        return TrainState(micro_step=state.micro_step, params=params, opt_state=opt_state)
+
+    if state_sharding is None:
+        return jax.jit(flush, donate_argnums=0)
+    replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(flush, donate_argnums=0, in_shardings=(state_sharding, replicated), out_shardings=state_sharding)
+
+
 def make_eval_step(model: Transformer):
     """jit(params, ids, targets, mask) -> (sum of nats over mask, number of tokens)."""
 

@@ -6,6 +6,7 @@ Fast and jax-free except the one CLI test; the fuzz is seeded, so a failure repr
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import re
@@ -172,20 +173,51 @@ def test_empty_documents_are_skipped(tmp_path):
 # 5. One huge document: linear, memory ~ one document
 
 
-def test_huge_single_document_is_read_whole_with_bounded_memory(tmp_path):
-    size = 20 << 20
+def test_huge_single_line_comes_in_pieces_in_bounded_memory(tmp_path):
+    """A 40 MB line with no separator: documents of at most MAX_DOC_CHARS, cut at spaces, that join back
+    to the line; the reader never holds the whole line (tracemalloc peak independent of its size)."""
+    size = 40 << 20
     p = tmp_path / "huge.txt"
     unit = "all work and no play makes jack a dull boy, "  # no newline anywhere
-    p.write_text((unit * (size // len(unit) + 1))[:size])
+    text = (unit * (size // len(unit) + 1))[:size]
+    p.write_text(text)
     tracemalloc.start()
     try:
-        docs = list(read_file(str(p)))
+        lengths, joined = [], hashlib.sha256()
+        for doc in read_file(str(p)):
+            lengths.append(len(doc))
+            joined.update(doc.encode())
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert len(docs) == 1 and len(docs[0]) == size and docs[0].startswith(unit)
-    # The document itself is `size` bytes (ASCII str) and the final join copies it once: ~2x.
-    assert peak < 3 * size, peak / size
+    assert sum(lengths) == size and joined.hexdigest() == hashlib.sha256(text.encode()).hexdigest()
+    assert len(lengths) in (10, 11) and max(lengths) <= hfl.MAX_DOC_CHARS
+    assert all(n > hfl.MAX_DOC_CHARS - len(unit) for n in lengths[:-1])  # cut at the last space before the cap
+    # the joined pending text (<= cap + one 1 MB chunk), the piece cut from it, the previous piece (still
+    # held by this loop) and the chunk being decoded: ~4.3 cap-sizes, whatever the line's size (the old
+    # reader held the whole line and then a copy of it: 2x the size, 80 MB here).
+    assert peak < 5 * hfl.MAX_DOC_CHARS < size / 1.9, peak / hfl.MAX_DOC_CHARS
+
+
+def test_pieces_of_a_long_document_keep_separators_exact(tmp_path):
+    """With a small cap, cutting never eats or invents a separator, in either mode, across chunk sizes."""
+    p = tmp_path / "long.txt"
+    for text, want in [("x" * 5000 + "\n\n" + "y " * 3000 + "<|endof", ["x" * 5000, "y " * 3000 + "<|endof"]),
+                       ("a " * 2000 + EOT_TEXT + "b" * 3000 + EOT_TEXT + "c", ["a " * 2000, "b" * 3000, "c"])]:
+        p.write_text(text)
+        for chunk in (7, 100, 4096):
+            docs = list(hfl._read_txt(str(p), chunk_bytes=chunk, max_doc_chars=700))
+            assert max(map(len, docs)) <= 700 + chunk
+            assert "".join(docs) == "".join(want), chunk
+            # each reference document is a run of consecutive pieces
+            i = 0
+            for w in want:
+                got = ""
+                while len(got) < len(w):
+                    got += docs[i]
+                    i += 1
+                assert got == w, chunk
+            assert i == len(docs)
 
 
 class _CountingSplitter:
@@ -243,7 +275,7 @@ def test_chunked_reader_equals_whole_file_split(tmp_path):
 # 6. Unsupported extensions
 
 
-def test_unsupported_extensions_error_or_skip_with_count(tmp_path):
+def test_unsupported_extensions_refused_by_file_and_glob_skipped_in_a_directory(tmp_path):
     blob = tmp_path / "weights.bin"
     blob.write_bytes(b"\x00\x01\x02")
     bare = tmp_path / "README"
@@ -256,14 +288,19 @@ def test_unsupported_extensions_error_or_skip_with_count(tmp_path):
     (tmp_path / "a.txt").write_text("alpha")
     (tmp_path / "b.txt.gz").write_bytes(b"\x1f\x8b")
     logged: list[str] = []
-    src = resolve_source(str(tmp_path / "*"), log=logged.append)
-    assert [Path(p).name for p in src.paths] == ["a.txt"] and list(src.documents()) == ["alpha"]
-    assert len(logged) == 1 and "skipped 3 file(s)" in logged[0] and ".bin" in logged[0] and ".gz" in logged[0]
-    logged.clear()
-    assert [Path(p).name for p in resolve_source(str(tmp_path), log=logged.append).paths] == ["a.txt"]
-    assert len(logged) == 1 and "skipped 3 file(s)" in logged[0]
-    with pytest.raises(DatasetError, match="matches only unsupported files.*\\.jsonl"):
+    # A glob names what it reads: one of unsupported type is refused, named, in one line.
+    with pytest.raises(DatasetError) as info:
+        resolve_source(str(tmp_path / "*"), log=logged.append)
+    msg = _one_line(info.value)
+    assert "matches 3 file(s) of unsupported type" in msg and str(blob) in msg and "b.txt.gz" in msg
+    assert "narrow it to" in msg and ".jsonl" in msg
+    with pytest.raises(DatasetError, match="--eval-dataset-id .*weights.bin"):
         resolve_source(str(tmp_path / "*.bin"), flag="--eval-dataset-id", log=logged.append)
+    src = resolve_source(str(tmp_path / "*.txt"), log=logged.append)
+    assert [Path(p).name for p in src.paths] == ["a.txt"] and list(src.documents()) == ["alpha"] and not logged
+    # A directory (a hub snapshot has README.md, .gitattributes) skips them, with a count.
+    assert [Path(p).name for p in resolve_source(str(tmp_path), log=logged.append).paths] == ["a.txt"]
+    assert len(logged) == 1 and "skipped 3 file(s)" in logged[0] and ".bin" in logged[0] and ".gz" in logged[0]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from helpers import collect, rows_of, token_stream
 from slm.data.packing import encode_documents, pack_rows, prepare_sequences
 from slm.data.sources import ListSource
 from slm.data.stream import StreamingDataLoader
+from slm.data.tokenizer import special_ids
 
 
 def test_pack_rows_directly():
@@ -24,11 +25,11 @@ def test_pack_rows_directly():
 
 def test_encode_documents_appends_eot(tok, eot):
     docs = ["Once upon a time.", "", "Café — naïve 🙂"]
-    out = encode_documents(tok, docs, eot)
+    out = encode_documents(tok, docs, special_ids(tok))
     assert out.dtype == np.int32
     np.testing.assert_array_equal(out, token_stream(tok, docs, eot))
     assert (out == eot).sum() == 3
-    assert encode_documents(tok, [], eot).shape == (0,)
+    assert encode_documents(tok, [], special_ids(tok)).shape == (0,)
 
 
 def test_prepare_sequences_matches_streaming_loader(tok, stories):

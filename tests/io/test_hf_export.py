@@ -17,6 +17,7 @@ import transformers  # noqa: E402, F401  (the export is checked against it)
 from helpers import ROOT
 
 from slm.cli.export import main as export_main
+from slm.data.tokenizer import SpecialIds
 from slm.io.hf_export import hf_state_dict, write_export
 from slm.model.sizing import ModelShape
 from slm.model.transformer import Transformer, init_params
@@ -78,7 +79,7 @@ def _compare_batch(hf_model, model: Transformer, params, prompts: list[list[int]
 def test_random_model_logits_match_and_a_wrong_mapping_does_not(tmp_path):
     params = _random_params(SHAPE)
     out = tmp_path / "hf"
-    write_export(str(out), params, SHAPE, max_positions=64, eot=0)
+    write_export(str(out), params, SHAPE, max_positions=64, special=SpecialIds(0, None, "test"))
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}

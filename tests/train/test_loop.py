@@ -108,7 +108,40 @@ def test_accumulation_makes_one_optimizer_step_of_k_micro_steps():
     events = []
     state, _ = run(n_batches=7, lp=plan(accumulation=3), callbacks=[Recorder("r", events)])
     assert (state.micro_step, state.step, state.tokens) == (7, 2, 2 * 3 * B * L)  # the 7th is a partial step
-    assert [e[2] for e in events if e[1] == "step"] == [1, 2]
+    assert [e[2] for e in events if e[1] == "step"] == [1, 2]  # a step without `flush` drops it
+
+
+class FlushingStep(FakeStep):
+    """A step that can apply a partial accumulation: the flush marks the state."""
+
+    def __init__(self):
+        super().__init__()
+        self.flushed = []
+
+    def flush(self, state, lr):
+        self.flushed.append((self.calls, float(lr)))
+        return state + 100
+
+
+@pytest.mark.parametrize("n_batches, epochs, flushed", [(7, 1, [(7, "lr")]), (6, 1, []), (5, 2, [(10, "lr")])])
+def test_a_partial_accumulation_at_the_end_of_the_data_is_applied(n_batches, epochs, flushed):
+    events, step = [], FlushingStep()
+    state, _ = run(n_batches=n_batches, lp=plan(epochs=epochs, accumulation=3), callbacks=[Recorder("r", events)],
+                   step=step)
+    micro = n_batches * epochs
+    partial = micro % 3
+    assert [c for c, _ in step.flushed] == [c for c, _ in flushed]  # once, after the last micro-step
+    assert state.step == micro // 3 + (1 if partial else 0)
+    assert state.tokens == micro * B * L  # every micro-batch's tokens counted: none dropped
+    assert state.train_state == micro + (100 if partial else 0)
+    assert [e[2] for e in events if e[1] == "step"] == list(range(1, state.step + 1))
+    assert events[-1] == ("r", "loop_end", state.step)  # the flush step's callbacks ran before the loop ended
+
+
+def test_no_flush_after_a_stop():
+    step = FlushingStep()
+    state, _ = run(n_batches=7, lp=plan(accumulation=3), callbacks=[Recorder("r", [], stop_at=2)], step=step)
+    assert state.step == 2 and step.flushed == []
 
 
 def test_max_steps_and_the_schedule():

@@ -10,7 +10,7 @@ from helpers import fresh_state
 from slm.model.sizing import ModelShape
 from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
-from slm.train.step import make_eval_step, make_train_step
+from slm.train.step import make_eval_step, make_flush_step, make_train_step
 
 SHAPE = ModelShape(vocab_size=64, n_layers=2, d_model=32, n_heads=1, d_ff=96)
 L = 12
@@ -46,6 +46,23 @@ def test_multisteps_k_micro_batches_equal_one_big_batch():
     for a, b, c in zip(jax.tree.leaves(acc.params), jax.tree.leaves(one.params), jax.tree.leaves(moved.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
     assert any(not np.allclose(a, c) for a, c in zip(jax.tree.leaves(acc.params), jax.tree.leaves(moved.params)))
+
+
+def test_flush_applies_a_partial_accumulation_as_a_step_on_its_mean():
+    """4 micro-batches then 2 (the data ran out) + flush == one batch of 4, then one batch of those 2."""
+    micro = _batches(6, 2, seed=3)
+    model = Transformer(SHAPE)
+    tx = make_optimizer(accumulation=4, eps=1e-4)
+    state, step = fresh_state(model, tx, L), make_train_step(model, tx)
+    for b in micro:
+        state, _ = step(state, b, np.float32(1e-2))
+    state = make_flush_step(tx)(state, np.float32(1e-2))
+    big = [{k: jnp.concatenate([m[k] for m in part]) for k in micro[0]} for part in (micro[:4], micro[4:])]
+    one = _run(big, accumulation=1, eps=1e-4)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(one.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+    assert int(state.opt_state.mini_step) == 0 and int(state.opt_state.gradient_step) == 2
+    assert all(not np.asarray(g).any() for g in jax.tree.leaves(state.opt_state.acc_grads))  # reset for the next
 
 
 def test_no_update_between_accumulation_boundaries():
