@@ -85,7 +85,9 @@ class RunState:
     throughput: Throughput = field(default_factory=Throughput)
 
     def meta(self, processes: int) -> dict:
-        return {**{k: getattr(self, k) for k in SAVED}, "processes": processes}
+        """The saved counters as JSON types (a numpy scalar that slipped in would fail the save)."""
+        plain = lambda v: v.item() if isinstance(v, np.generic) else v  # noqa: E731
+        return {**{k: plain(getattr(self, k)) for k in SAVED}, "processes": processes}
 
     @classmethod
     def from_meta(cls, meta: dict, **kwargs: Any) -> RunState:

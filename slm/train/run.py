@@ -253,7 +253,7 @@ def estimated_total_tokens(c: Config, data: TrainData) -> float | None:
     tokens with overlapping windows. None when --max-steps/--max-time bound the run, or the size is unknown."""
     if c.max_steps is not None or c.max_time is not None or not data.source.size_bytes:
         return None
-    bytes_per_token = max(data.eval_set.n_bytes / data.eval_set.mask.sum(), 1.0)
+    bytes_per_token = max(data.eval_set.n_bytes / float(data.eval_set.mask.sum()), 1.0)  # a float: saved as JSON
     return (c.epochs or 1) * data.source.size_bytes / bytes_per_token * c.seq_len / (c.stride or c.seq_len)
 
 
