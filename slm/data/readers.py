@@ -21,7 +21,9 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator
+from typing import IO, Any
 
 from slm.errors import DatasetError, first_line
 
@@ -31,6 +33,7 @@ EOT_TEXT = "<|endoftext|>"
 _BLANK_LINES = re.compile(r"\n[ \t\r]*\n")
 
 _log = logging.getLogger(__name__)
+Opener = Callable[..., IO[Any]]  # open(path, mode, **kwargs)
 
 # Invalid UTF-8 bytes replaced by U+FFFD, per file path, in the latest complete read of that file.
 # A genuine U+FFFD in the file is not counted: the count comes from the decoder's error handler.
@@ -86,17 +89,23 @@ def pick_text_column(columns: list[str], wanted: str | None, where: str, sample:
     raise DatasetError(f"{where}: cannot tell which column holds the text; pass --text-column, one of {columns}")
 
 
-def read_file(path: str, text_column: str | None = None) -> Iterator[str]:
-    """The documents of one local file; any problem with the file is a DatasetError naming it."""
-    ext = os.path.splitext(path)[1].lower()
+def extension(path: str) -> str:
+    """The lower-case extension of a path or URL (a URL's query and fragment left out)."""
+    return os.path.splitext(urllib.parse.urlsplit(path).path if "://" in path else path)[1].lower()
+
+
+def read_file(path: str, text_column: str | None = None, opener: Opener = open) -> Iterator[str]:
+    """The documents of one file; any problem with it is a DatasetError naming it. `opener` opens it like
+    `open` (slm.data.remote.open_url for an http(s) URL)."""
+    ext = extension(path)
     if ext in (".jsonl", ".json"):
-        docs = _read_json(path, text_column)
+        docs = _read_json(path, text_column, opener)
     elif ext == ".parquet":
-        docs = _read_parquet(path, text_column)
+        docs = _read_parquet(path, text_column, opener)
     elif ext == ".csv":
-        docs = _read_csv(path, text_column)
+        docs = _read_csv(path, text_column, opener)
     else:
-        docs = _read_txt(path)
+        docs = _read_txt(path, opener=opener)
     return _os_errors_named(path, _counting_replacements(path, docs))
 
 
@@ -108,10 +117,13 @@ def _os_errors_named(path: str, docs: Iterator[str]) -> Iterator[str]:
         raise DatasetError(f"{path}: cannot read it ({e.strerror or type(e).__name__}); check the file and its permissions")
 
 
-def _file_contains(path: str, needle: bytes, chunk: int = 1 << 20) -> bool:
-    with open(path, "rb") as f:
-        tail = b""
-        while block := f.read(chunk):
+def _file_contains(path: str, needle: bytes, opener: Opener = open, chunk: int = 1 << 20,
+                   limit: int | None = None) -> bool:
+    """Whether the file (its first `limit` bytes, when given) contains `needle`."""
+    with opener(path, "rb") as f:
+        tail, seen = b"", 0
+        while (limit is None or seen < limit) and (block := f.read(chunk)):
+            seen += len(block)
             if needle in tail + block:
                 return True
             tail = block[-len(needle) :]
@@ -144,7 +156,8 @@ def _cut(pending: list[str], tail: int, limit: int) -> tuple[str, str]:
     return text[:at], text[at:]
 
 
-def _read_txt(path: str, chunk_bytes: int = 1 << 20, max_doc_chars: int = MAX_DOC_CHARS) -> Iterator[str]:
+def _read_txt(path: str, chunk_bytes: int = 1 << 20, max_doc_chars: int = MAX_DOC_CHARS,
+              opener: Opener = open) -> Iterator[str]:
     """Documents of a text file, split on `<|endoftext|>` if the file has one, else on blank lines.
 
     Invalid UTF-8 is decoded with replacement characters (one U+FFFD per invalid sequence); the
@@ -157,7 +170,9 @@ def _read_txt(path: str, chunk_bytes: int = 1 << 20, max_doc_chars: int = MAX_DO
     `max_doc_chars` comes as several documents (cut at whitespace by `_cut`): memory stays bounded even
     for a 100 MB line, and a separator every ~1M tokens costs nothing a model of any seq-len would see.
     """
-    separator = EOT_TEXT if _file_contains(path, EOT_TEXT.encode()) else None
+    # A remote file is not read twice: its first 4 MB decide whether <|endoftext|> separates documents.
+    limit = None if opener is open else 4 << 20
+    separator = EOT_TEXT if _file_contains(path, EOT_TEXT.encode(), opener, limit=limit) else None
     decoder = codecs.getincrementaldecoder("utf-8")(errors=_REPLACE)
     pending: list[str] = []  # pieces of the document not yet ended by a separator
     pending_len = 0
@@ -169,7 +184,7 @@ def _read_txt(path: str, chunk_bytes: int = 1 << 20, max_doc_chars: int = MAX_DO
         if doc and not doc.isspace():  # == doc.strip() != "", without copying a huge document
             yield doc
 
-    with open(path, "rb") as f:
+    with opener(path, "rb") as f:
         while True:
             block = f.read(chunk_bytes)
             text = decoder.decode(block, final=not block)
@@ -230,11 +245,11 @@ def row_texts(rows: Iterable, text_column: str | None, where: str) -> Iterator[s
             yield text
 
 
-def _read_json(path: str, text_column: str | None) -> Iterator[str]:
-    with open(path, "rb") as f:
+def _read_json(path: str, text_column: str | None, opener: Opener = open) -> Iterator[str]:
+    with opener(path, "rb") as f:
         head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
     if head[:1] == b"[":  # a JSON array: cannot be streamed with the standard library
-        with open(path, encoding="utf-8-sig", errors=_REPLACE) as f:  # -sig: drop a byte-order mark
+        with opener(path, "r", encoding="utf-8-sig", errors=_REPLACE) as f:  # -sig: drop a byte-order mark
             try:
                 rows = json.load(f)
             except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, huge ints
@@ -242,11 +257,11 @@ def _read_json(path: str, text_column: str | None) -> Iterator[str]:
                 raise DatasetError(f"{path}: invalid JSON ({msg}); fix the file or convert it to JSON Lines")
         yield from row_texts(rows, text_column, path)
         return
-    yield from row_texts(_jsonl_rows(path), text_column, path)
+    yield from row_texts(_jsonl_rows(path, opener), text_column, path)
 
 
-def _jsonl_rows(path: str) -> Iterator:
-    with open(path, encoding="utf-8-sig", errors=_REPLACE) as f:
+def _jsonl_rows(path: str, opener: Opener = open) -> Iterator:
+    with opener(path, "r", encoding="utf-8-sig", errors=_REPLACE) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -267,11 +282,13 @@ def _is_text(t) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
 
 
-def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
+def _read_parquet(path: str, text_column: str | None, opener: Opener = open) -> Iterator[str]:
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(path if opener is open else opener(path, "rb"))  # remote: ranged reads
+    except DatasetError:
+        raise
     except Exception as e:
         raise DatasetError(f"{path}: not a readable Parquet file ({first_line(e, 120)})")
     names = pf.schema_arrow.names
@@ -283,6 +300,8 @@ def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
             batch = next(batches)
         except StopIteration:
             return
+        except DatasetError:
+            raise
         except Exception as e:
             raise DatasetError(f"{path}: corrupt Parquet data ({first_line(e, 120)}); re-export the file")
         for text in batch.column(0).to_pylist():
@@ -290,9 +309,9 @@ def _read_parquet(path: str, text_column: str | None) -> Iterator[str]:
                 yield text
 
 
-def _read_csv(path: str, text_column: str | None) -> Iterator[str]:
+def _read_csv(path: str, text_column: str | None, opener: Opener = open) -> Iterator[str]:
     csv.field_size_limit(sys.maxsize)
-    with open(path, encoding="utf-8-sig", errors=_REPLACE, newline="") as f:  # a BOM would rename column 1
+    with opener(path, "r", encoding="utf-8-sig", errors=_REPLACE, newline="") as f:  # a BOM would rename column 1
         reader = csv.DictReader(f)
         try:
             yield from row_texts(reader, text_column, path)

@@ -26,8 +26,18 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from slm.data.readers import LOCAL_EXTENSIONS, read_file, row_texts
-from slm.errors import DatasetError
+from slm.data.readers import LOCAL_EXTENSIONS, Opener, extension, read_file, row_texts
+from slm.data.remote import (
+    RemoteFile,
+    RetryPolicy,
+    backoff,
+    http_status,
+    is_url,
+    open_url,
+    retry_after_of,
+    transient,
+)
+from slm.errors import DatasetError, first_line
 
 DEFAULT_DATASET = "roneneldan/TinyStories"
 BUILTIN_DATASET = "builtin:python-docs"
@@ -69,6 +79,7 @@ class ListSource(TextSource):
 class LocalFiles(TextSource):
     paths: list[str] = field(default_factory=list)
     text_column: str | None = None
+    opener: Opener = open  # how read_file opens a path
 
     def documents(self, shuffle_seed: int | None = None, skip_head: int = 0,
                   shard: tuple[int, int] | None = None) -> Iterator[str]:
@@ -80,7 +91,7 @@ class LocalFiles(TextSource):
         if shuffle_seed is not None and len(paths) > 1:
             random.Random(shuffle_seed).shuffle(paths)
         for path in paths:
-            yield from itertools.islice(read_file(path, self.text_column), skip.get(path, 0), None)
+            yield from itertools.islice(read_file(path, self.text_column, self.opener), skip.get(path, 0), None)
 
     def _head_per_file(self, n: int) -> dict[str, int]:
         """How many of the first `n` documents (in sorted file order) each file holds."""
@@ -88,7 +99,7 @@ class LocalFiles(TextSource):
         for path in self.paths:
             if n <= 0:
                 break
-            count = sum(1 for _ in itertools.islice(read_file(path, self.text_column), n))
+            count = sum(1 for _ in itertools.islice(read_file(path, self.text_column, self.opener), n))
             skip[path], n = count, n - count
         return skip
 
@@ -98,11 +109,29 @@ class LocalFiles(TextSource):
 
 
 @dataclass
+class UrlFile(LocalFiles):
+    """One http(s) file read as it streams, retrying transient failures from the byte it reached
+    (slm.data.remote); `policy` sets the retries."""
+
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        self.paths = self.paths or [self.name]
+        self.opener = functools.partial(open_url, policy=self.policy)
+
+    @property
+    def size_bytes(self) -> int | None:
+        size = RemoteFile(self.paths[0], self.policy).length()
+        return size if size >= 0 else None
+
+
+@dataclass
 class HubDataset(TextSource):
     config: str | None = None
     split: str = "train"
     streaming: bool = True
     text_column: str | None = None
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
 
     def _load(self, split: str):
         import datasets  # heavy import: only when the hub is used
@@ -115,6 +144,28 @@ class HubDataset(TextSource):
 
     def documents(self, shuffle_seed: int | None = None, skip_head: int = 0,
                   shard: tuple[int, int] | None = None) -> Iterator[str]:
+        """The stream, reopened after a transient network failure (`datasets` streaming raises 429/5xx and
+        connection resets mid-stream: its issues 7506, 7344, 6577) and continued at the exact document:
+        the documents already yielded are skipped in the same deterministic order."""
+        yielded, failures = 0, 0
+        while True:
+            try:
+                for doc in itertools.islice(self._documents(shuffle_seed, skip_head, shard), yielded, None):
+                    yield doc
+                    yielded, failures = yielded + 1, 0
+                return
+            except DatasetError:
+                raise
+            except Exception as e:  # noqa: BLE001 - sorted into transient (retried) and permanent (one line)
+                status = http_status(e)
+                if not transient(e):
+                    why = f"HTTP {status}" if status else f"{type(e).__name__}: {first_line(e, 160)}"
+                    raise DatasetError(f"--dataset-id {self.name}: streaming failed after {yielded:,} documents "
+                                       f"({why}); check the id, your access (HF_TOKEN) and the network") from None
+                failures = backoff(self.policy, self.name, failures, f"{type(e).__name__} after {yielded:,} documents",
+                                   retry_after_of(e))
+
+    def _documents(self, shuffle_seed: int | None, skip_head: int, shard: tuple[int, int] | None) -> Iterator[str]:
         ds = self._load(self.split)
         if shuffle_seed is not None and self.streaming and not skip_head:
             # Shard order only (our buffer shuffles documents). Not with a held-out head: reordering
@@ -146,7 +197,7 @@ class HubDataset(TextSource):
             return None
         for s in ("validation", "valid", "val", "test"):
             if s in splits and s != self.split:
-                return HubDataset(self.name, self.config, s, self.streaming, self.text_column)
+                return HubDataset(self.name, self.config, s, self.streaming, self.text_column, self.policy)
         return None
 
 
@@ -230,7 +281,7 @@ def resolve_source(
     """Turn a --dataset-id (hub id, file, directory, glob, or None for the default) into a source."""
     if dataset_id is None:
         if hub_reachable(hub_timeout):
-            return HubDataset(DEFAULT_DATASET, dataset_config, split, streaming, text_column)
+            return HubDataset(DEFAULT_DATASET, dataset_config, split, streaming, text_column, RetryPolicy(log=log))
         log(
             f"[data] The Hugging Face hub did not answer within {hub_timeout:g}s: training on the built-in "
             f"offline corpus (Python's own documentation, ~2 MB of English). Pass --dataset-id to choose data."
@@ -238,6 +289,10 @@ def resolve_source(
         return builtin_corpus()
     if dataset_id == BUILTIN_DATASET:
         return builtin_corpus()
+    if is_url(dataset_id):
+        if extension(dataset_id) not in LOCAL_EXTENSIONS:
+            raise DatasetError(f"{flag} {dataset_id}: a URL must name a {'/'.join(LOCAL_EXTENSIONS)} file")
+        return UrlFile(dataset_id, text_column=text_column, policy=RetryPolicy(log=log))
     paths = local_paths(dataset_id, flag, log)
     if paths is not None:
         return LocalFiles(dataset_id, paths, text_column)
@@ -248,7 +303,7 @@ def resolve_source(
             f"{flag} {dataset_id}: the Hugging Face hub cannot be reached; check the network "
             f"(or HF_HUB_OFFLINE) or pass a local file, directory or glob"
         )
-    return HubDataset(dataset_id, dataset_config, split, streaming, text_column)
+    return HubDataset(dataset_id, dataset_config, split, streaming, text_column, RetryPolicy(log=log))
 
 
 
