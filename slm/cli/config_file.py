@@ -61,6 +61,20 @@ def load_config_file(path: str, config_cls) -> tuple[dict, list[str]]:
     return values, notes
 
 
+class ListOf:
+    """The kind of a `list[...]` setting: its item type (argparse and config files parse the items)."""
+
+    def __init__(self, item: type):
+        self.item, self.__name__ = item, f"{item.__name__}_list"
+
+    def __call__(self, text: str) -> list:
+        """argparse: "0.7,0.3" -> [0.7, 0.3]."""
+        return [self.item(v) for v in text.split(",")]
+
+
+KINDS = {"int": int, "float": float, "str": str, "bool": bool, "list[str]": ListOf(str), "list[float]": ListOf(float)}
+
+
 def field_kinds(config_cls) -> dict[str, tuple[tuple[type, ...], bool]]:
     """{field name: (accepted base types, None allowed)}, from annotations that may be strings."""
     out = {}
@@ -71,13 +85,20 @@ def field_kinds(config_cls) -> dict[str, tuple[tuple[type, ...], bool]]:
         else:
             args = typing.get_args(t) if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union else (t,)
             names = ["None" if a is type(None) else a.__name__ for a in args]
-        base = tuple({"int": int, "float": float, "str": str, "bool": bool}[n] for n in names if n != "None")
+        base = tuple(KINDS[n] for n in names if n != "None")
         out[f.name] = (base, "None" in names)
     return out
 
 
 def _coerce(path: str, key, value, base: tuple[type, ...], nullable: bool):
     where = f"--config {path}: key {key!r}"
+    listed = next((k for k in base if isinstance(k, ListOf)), None)
+    if value is not None and listed is not None:
+        if isinstance(value, list):  # a list setting given as a list
+            return [_coerce(path, key, v, (listed.item,), False) for v in value]
+        if not isinstance(base[0], ListOf):  # str | list[str]: one value is the plain value
+            return _coerce(path, key, value, base[:1], nullable)
+        return [_coerce(path, key, v.strip(), (listed.item,), False) for v in str(value).split(",")]  # "0.7,0.3"
     kind = base[0]
     if value is None:
         if nullable:

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, help=help_text)
             continue
         extra = {"nargs": "?", "const": meta["optional_value"]} if meta["optional_value"] else {}
+        if meta["repeatable"]:  # --dataset-id a --dataset-id b: a list (one given: the plain value)
+            extra["action"] = "append"
         p.add_argument(flag_name(f.name), type=kind, metavar=kind.__name__.upper(), help=help_text, **extra)
     return p
 
@@ -51,6 +53,10 @@ def parse_flags(argv: list[str] | None) -> tuple[dict, set[str], list[str]]:
     Raises ConfigError for a bad flag and ConfigFileError for a bad file (both one line, exit 2).
     """
     given = vars(build_parser().parse_args(argv))
+    repeatable = {f.name for f in dataclasses.fields(Config) if f.metadata["repeatable"]}
+    for name in repeatable & given.keys():  # a repeatable flag given once is its plain value
+        if len(given[name]) == 1:
+            given[name] = given[name][0]
     path = given.pop("config", None)
     from_file, notes = load_config_file(path, Config) if path else ({}, [])
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}

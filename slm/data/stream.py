@@ -191,17 +191,17 @@ class StreamingDataLoader:
 
         def flush() -> Iterator[tuple[Batch, dict]]:
             nonlocal carry
-            tokens = encode_documents(self.tokenizer, chunk, self.special)
-            self.tokens_read += len(tokens)
-            carry = np.concatenate([carry, tokens]) if len(carry) else tokens
-            self.max_carry_tokens = max(self.max_carry_tokens, len(carry))
-            while True:
-                rows, used = pack_rows(carry, L, stride, B)
-                if len(rows) < B:
-                    return
-                carry = carry[used:]
+            if chunk:
+                tokens = encode_documents(self.tokenizer, chunk, self.special)
+                self.tokens_read += len(tokens)
+                carry = np.concatenate([carry, tokens]) if len(carry) else tokens
+                self.max_carry_tokens = max(self.max_carry_tokens, len(carry))
+            while len(rows := pack_rows(carry, L, stride, B)[0]) == B:
+                carry = carry[B * stride:]
                 yield {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}, snapshot()
 
+        if resume is not None:  # rows the restored carry holds come first, as in the uninterrupted stream
+            yield from flush()
         for doc in shuffled():
             chunk.append(doc)
             chunk_len += len(doc)
@@ -215,11 +215,8 @@ class StreamingDataLoader:
                 yielded = True
                 yield item
         if not yielded:
-            need = (B - 1) * stride + L + 1
-            raise DatasetError(
-                f"{self.source.name}: dataset is smaller than one batch ({self.tokens_read} tokens, need {need}); "
-                f"use a smaller --batch-size or --seq-len, or more data"
-            )
+            raise DatasetError(f"{self.source.name}: dataset is smaller than one batch ({self.tokens_read} tokens, "
+                               f"need {(B - 1) * stride + L + 1}); use a smaller --batch-size or --seq-len, or more data")
 
 
 def _prefetched(gen: Iterator[Batch], depth: int) -> Iterator[Batch]:

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from slm.data.mixture import mixture_summary
 from slm.io.checkpoints import Checkpointer
 from slm.io.metrics import MetricsLog
 from slm.io.tracking import Trackers, plot_loss
@@ -266,3 +267,25 @@ class LossPlot(Callback):
     def on_train_end(self, run: RunState) -> None:
         if self.emit.rows != self.plotted:  # rows since the final eval's plot (or no eval at all)
             self()
+
+
+class MixtureShares(Callback):
+    """With several --dataset-id: each source's realised share of training tokens beside its weight, at
+    each eval and at the end (process 0)."""
+
+    def __init__(self, counts: Callable[[], list[dict]], enabled: bool, log: Callable[[str], None]):
+        self.counts, self.enabled, self.log = counts, enabled, log
+        self.logged_step = -1
+
+    def on_step(self, run: RunState) -> str | None:
+        if run.due.eval:
+            self._say(run)
+        return None
+
+    def on_train_end(self, run: RunState) -> None:
+        self._say(run)
+
+    def _say(self, run: RunState) -> None:
+        if self.enabled and run.step != self.logged_step:
+            self.logged_step = run.step
+            self.log(mixture_summary(self.counts()))

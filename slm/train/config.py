@@ -32,19 +32,23 @@ IDENTITY, ADJUSTABLE, LAUNCH, PER_RUN = "identity", "adjustable", "launch", "per
 
 
 def setting(default: Any, help: str, policy: str, units: str = "", unset: str | None = None,
-            choices: tuple[str, ...] | None = None, optional_value: str | None = None) -> Any:
+            choices: tuple[str, ...] | None = None, optional_value: str | None = None,
+            repeatable: bool = False) -> Any:
     """A Config field: `help` (no % escaping), `units` shown in the flag table, `unset` the word for a
     None default (default "auto"), `choices` for a string, `optional_value` for a flag that may be given
-    bare (argparse nargs="?": --resume alone means "latest")."""
+    bare (argparse nargs="?": --resume alone means "latest"), `repeatable` for a flag that may be given
+    several times (a list)."""
     meta = {"help": help, "policy": policy, "units": units, "unset": unset, "choices": choices,
-            "optional_value": optional_value}
+            "optional_value": optional_value, "repeatable": repeatable}
     return field(default=default, metadata=meta)
 
 
 @dataclass
 class Config:
     # data
-    dataset_id: str | None = setting(None, "Hub id (e.g. roneneldan/TinyStories), file, directory or glob. Default: TinyStories when the hub answers, else the built-in offline corpus", IDENTITY)
+    dataset_id: str | list[str] | None = setting(None, "Hub id (e.g. roneneldan/TinyStories), file, directory, glob or http(s) URL; repeat it for a weighted mixture (see --dataset-weights). Default: TinyStories when the hub answers, else the built-in offline corpus", IDENTITY, repeatable=True)
+    dataset_weights: list[float] | None = setting(None, "With several --dataset-id: shares of training tokens, e.g. 0.7,0.3 (config files: a list; normalised). Default: equal", IDENTITY, "shares")
+    mixture_exhausted: str = setting("restart", "With several --dataset-id: a source that runs out is restarted on its next epoch (restart) or dropped, the others renormalised (drop)", IDENTITY, choices=("restart", "drop"))
     dataset_config: str | None = setting(None, "Hub dataset configuration name", IDENTITY)
     split: str = setting("train", "Split to train on", IDENTITY)
     text_column: str | None = setting(None, "Column holding the text (auto-detected: text, content, story, ...)", IDENTITY)
@@ -199,6 +203,16 @@ def validate(c: Config) -> None:
         raise ConfigError("--auto-fit needs --memory-budget (e.g. --memory-budget 4GB)")
     if c.preset is not None and c.preset not in PRESETS and c.preset != "auto":
         raise ConfigError(f"--preset {c.preset}: choose one of {', '.join([*PRESETS, 'auto'])}")
+    n_sets = len(c.dataset_id) if isinstance(c.dataset_id, list) else 1
+    if c.dataset_weights is not None and n_sets == 1:
+        raise ConfigError("--dataset-weights: needs several --dataset-id (a mixture); give one weight per dataset")
+    if c.dataset_weights is not None and (len(c.dataset_weights) != n_sets or not all(w > 0 for w in c.dataset_weights)):
+        raise ConfigError(f"--dataset-weights {','.join(map(str, c.dataset_weights))}: give {n_sets} positive "
+                          f"weights, one per --dataset-id")
+    if n_sets > 1 and not c.use_streaming:
+        raise ConfigError("several --dataset-id (a mixture) need --use-streaming")
+    if c.mixture_exhausted not in ("restart", "drop"):
+        raise ConfigError(f"--mixture-exhausted {c.mixture_exhausted}: choose restart or drop")
     if c.tokenizer and c.vocab_size:
         raise ConfigError("--tokenizer and --vocab-size: give one (the vocabulary comes from the tokenizer file)")
 

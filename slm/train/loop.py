@@ -86,7 +86,7 @@ class RunState:
 
     def meta(self, processes: int) -> dict:
         """The saved counters as JSON types (a numpy scalar that slipped in would fail the save)."""
-        plain = lambda v: v.item() if isinstance(v, np.generic) else v  # noqa: E731
+        plain = lambda v: v.item() if isinstance(v, np.generic) else v
         return {**{k: plain(getattr(self, k)) for k in SAVED}, "processes": processes}
 
     @classmethod

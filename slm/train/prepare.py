@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from slm.data.heldout import EvalSet, build_eval_set, held_out_split
+from slm.data.mixture import Mixture, normalized
 from slm.data.packing import prepare_sequences
 from slm.data.sources import HubDataset, LocalFiles, TextSource, resolve_source
 from slm.data.tokenizer import (
@@ -130,9 +131,11 @@ def eval_source_of(c: Config, source: TextSource, log: Log) -> TextSource | None
     return eval_source
 
 
-def hold_out_head(c: Config, source: TextSource) -> list[str]:
-    """The first documents, held out for eval: ~6 chars/token covers --eval-tokens, at most 10% of a file."""
-    budget = c.eval_tokens * 6 if source.size_bytes is None else min(c.eval_tokens * 6, source.size_bytes // 10)
+def hold_out_head(c: Config, source: TextSource, tokens: int | None = None) -> list[str]:
+    """The first documents, held out for eval: ~6 chars/token covers `tokens` (default --eval-tokens), at
+    most 10% of a file."""
+    tokens = tokens or c.eval_tokens
+    budget = tokens * 6 if source.size_bytes is None else min(tokens * 6, source.size_bytes // 10)
     docs, rest = held_out_split(source, max(budget, 1))
     if not docs:
         raise DatasetError(f"{source.name}: the dataset has no documents (empty file or no text); check --dataset-id")
@@ -169,12 +172,30 @@ def make_tokenizer(c: Config, source: TextSource, skip_documents: int, out: str,
     return tok, special, seconds
 
 
+def training_source(c: Config, log: Log) -> TextSource:
+    """--dataset-id, or the weighted Mixture of several (each resolved as one would be)."""
+    ids = c.dataset_id if isinstance(c.dataset_id, list) else [c.dataset_id]
+    sources = [resolve_source(d, dataset_config=c.dataset_config, split=c.split, text_column=c.text_column,
+                              streaming=c.use_streaming, log=log) for d in ids]
+    if len(sources) == 1:
+        return sources[0]
+    return Mixture(" + ".join(s.name for s in sources), sources, normalized(c.dataset_weights or [], len(sources)))
+
+
+def held_out_docs(c: Config, source: TextSource) -> list[str]:
+    """The head held out for eval; a mixture holds out each source's own head (--eval-tokens by weight)."""
+    if not isinstance(source, Mixture):
+        return hold_out_head(c, source)
+    parts = [hold_out_head(c, s, max(int(c.eval_tokens * w), 1)) for s, w in zip(source.sources, source.weights)]
+    source.heads = [len(p) for p in parts]
+    return [d for p in parts for d in p]
+
+
 def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
     """Sources, held-out set and tokenizer (tokenizer before model, the seeds' lesson), then the shape."""
-    source = resolve_source(c.dataset_id, dataset_config=c.dataset_config, split=c.split,
-                            text_column=c.text_column, streaming=c.use_streaming, log=log)
+    source = training_source(c, log)
     eval_source = eval_source_of(c, source, log)
-    heldout = hold_out_head(c, source) if eval_source is None else []
+    heldout = held_out_docs(c, source) if eval_source is None else []
     tokenizer, special, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log)
     shape = choose_shape(c.target_params, tokenizer.get_vocab_size(), c.n_layers, c.d_model, c.n_heads)
     c.learning_rate = c.learning_rate or default_learning_rate(count_params(shape))

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from slm.data.mixture import Mixture, MixtureLoader
 from slm.data.packing import full_load_batches
 from slm.data.stream import StreamingDataLoader
 from slm.data.tokenizer import sample_start
@@ -162,12 +163,7 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
     run, resumed = restore(c, ckpt, state, estimated_total_tokens(c, data), env)
     loader = None
     if c.use_streaming:  # built now: --auto-fit may have changed the micro-batch
-        loader = StreamingDataLoader(data.source, data.tokenizer, seq_len=c.seq_len,
-                                     batch_size=c.batch_size // procs.count,
-                                     shuffle_buffer_size=c.shuffle_buffer_size, seed=c.seed, stride=c.stride,
-                                     max_examples=c.max_examples, skip_documents=data.held_out_documents,
-                                     shard=(procs.index, procs.count) if procs.count > 1 else None,
-                                     special=data.special)
+        loader = make_loader(c, data, procs, env.log)
     batches = Batches(loader, data.rows, c.batch_size // procs.count, c.seed, resumed.get("loader"),
                       run.epoch_micro)
     callbacks = make_callbacks(c, data, built, facts, resolved, peak[0], ckpt, loader, env, resumed) + extra
@@ -185,7 +181,8 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
     for cb in callbacks:
         cb.on_train_end(run)
     closing.close()  # in order: the console, the checkpoint manager, metrics.jsonl and the trackers
-    return summarize(c, run, data, facts, plan, peak[0], env, resumed, device_bytes(run.train_state) / 2**20)
+    sources = loader.counts() if isinstance(loader, MixtureLoader) else None
+    return summarize(c, run, data, facts, plan, peak[0], env, resumed, device_bytes(run.train_state) / 2**20, sources)
 
 
 def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state: Any, lplan: LoopPlan,
@@ -248,6 +245,16 @@ def loop_plan(c: Config, data: TrainData, start: float) -> LoopPlan:
                     cadence)
 
 
+def make_loader(c: Config, data: TrainData, procs: Processes, log: Callable[[str], None]) -> Any:
+    """The streaming loader of this process's part of the data: one source's, or a mixture's."""
+    common = {"seq_len": c.seq_len, "batch_size": c.batch_size // procs.count, "seed": c.seed, "special": data.special,
+              "shuffle_buffer_size": c.shuffle_buffer_size, "stride": c.stride, "max_examples": c.max_examples,
+              "shard": (procs.index, procs.count) if procs.count > 1 else None}
+    if isinstance(data.source, Mixture):
+        return MixtureLoader(data.source, data.tokenizer, on_exhausted=c.mixture_exhausted, log=log, **common)
+    return StreamingDataLoader(data.source, data.tokenizer, skip_documents=data.held_out_documents, **common)
+
+
 def estimated_total_tokens(c: Config, data: TrainData) -> float | None:
     """An epochs-bounded run's length until epoch 0 has been counted: bytes / (bytes per token), more
     tokens with overlapping windows. None when --max-steps/--max-time bound the run, or the size is unknown."""
@@ -298,6 +305,7 @@ def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, reso
         Evaluate,
         LogMetrics,
         LossPlot,
+        MixtureShares,
         NonFiniteGuard,
         SaveCheckpoints,
         StopConditions,
@@ -322,13 +330,14 @@ def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, reso
                        clock),
             NonFiniteGuard(c.skip_nonfinite, c.gradient_accumulation_steps, log),
             Evaluate(evaluator, emit, plot, env.signals, procs, log, clock),
+            *([MixtureShares(loader.counts, procs.primary, log)] if isinstance(loader, MixtureLoader) else []),
             SaveCheckpoints(ckpt, loader.state_json if loader is not None else None, procs, clock),
             StopConditions(c.max_steps, c.max_time, env.start, env.signals, out, clock),
             plot, emit]
 
 
 def summarize(c: Config, run: RunState, data: TrainData, facts: RunFacts, plan: MemoryPlan, peak: float, env: Env,
-              resumed: dict, state_mb: float) -> dict:
+              resumed: dict, state_mb: float, data_sources: list[dict] | None = None) -> dict:
     """summary.json (process 0) and the [done] line: the run's outcome, speed and memory."""
     t = run.timings
     # This process's tokens; the first micro-step ran in the compile/start-up window.
@@ -350,6 +359,7 @@ def summarize(c: Config, run: RunState, data: TrainData, facts: RunFacts, plan: 
         "peak_rss_mb": max(peak_rss_mb(), memory["peak_rss_mb"]), "peak_device_mb": memory["peak_device_mb"],
         **plan.record(), "optimizer_state_bytes": facts.optimizer_state_bytes, "stop_reason": run.stop_reason,
         "output_dir": env.out, "data_digest": run.data_digest, "skipped_nonfinite": run.skipped_nonfinite,
+        **({"data_sources": data_sources} if data_sources is not None else {}),
     }
     if env.procs.primary:
         with open(os.path.join(env.out, "summary.json"), "w") as f:
