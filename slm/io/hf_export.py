@@ -69,8 +69,6 @@ from slm.errors import ExportError
 from slm.model.sizing import ModelShape
 
 WEIGHTS = "model.safetensors"
-ROPE_THETA = 10000.0  # model.rotary's base
-RMS_NORM_EPS = 1e-6  # model.RMSNorm's eps
 
 
 # --- weights and config (pure numpy / dicts) ---------------------------------------------------------
@@ -82,23 +80,30 @@ def _f32(x: Any) -> np.ndarray:
 
 
 def hf_state_dict(params: Mapping[str, Any], shape: ModelShape) -> dict[str, np.ndarray]:
-    """model.Transformer params -> LlamaForCausalLM tensor names and (out, in) layouts (module docstring)."""
-    D, F = shape.d_model, shape.d_ff
+    """model.Transformer params -> LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases) tensor names and
+    (out, in) layouts (module docstring); with G key/value heads the fused kernel is (D, (H + 2G) * K)."""
+    D, F, K = shape.d_model, shape.d_ff, shape.head_dim
+    q_w, kv_w = shape.n_heads * K, shape.kv_heads * K
     embed = _f32(params["embed"])
     if embed.shape != (shape.vocab_size, D):
         raise ExportError(f"embed is {embed.shape}, the run's shape says ({shape.vocab_size}, {D})")
     out = {"model.embed_tokens.weight": embed, "model.norm.weight": _f32(params["final_norm"]["scale"])}
+    if not shape.tie_embeddings:
+        out["lm_head.weight"] = _f32(params["unembed"])
+    cuts = {"q": (0, q_w), "k": (q_w, q_w + kv_w), "v": (q_w + kv_w, q_w + 2 * kv_w)}
     for i in range(shape.n_layers):
         block, pre = params[f"block_{i}"], f"model.layers.{i}"
-        qkv_Dx3D = np.asarray(block["attn"]["qkv"]["kernel"], dtype=np.float32)
+        qkv = block["attn"]["qkv"]
+        qkv_kernel = np.asarray(qkv["kernel"], dtype=np.float32)
         gate_up_Dx2F = np.asarray(block["mlp"]["gate_up"]["kernel"], dtype=np.float32)
-        if qkv_Dx3D.shape != (D, 3 * D) or gate_up_Dx2F.shape != (D, 2 * F):
-            raise ExportError(f"block_{i}: qkv {qkv_Dx3D.shape} / gate_up {gate_up_Dx2F.shape} do not match "
+        if qkv_kernel.shape != (D, q_w + 2 * kv_w) or gate_up_Dx2F.shape != (D, 2 * F):
+            raise ExportError(f"block_{i}: qkv {qkv_kernel.shape} / gate_up {gate_up_Dx2F.shape} do not match "
                               f"d_model {D}, d_ff {F}")
         out[f"{pre}.input_layernorm.weight"] = _f32(block["attn_norm"]["scale"])
-        out[f"{pre}.self_attn.q_proj.weight"] = _f32(qkv_Dx3D[:, 0:D].T)
-        out[f"{pre}.self_attn.k_proj.weight"] = _f32(qkv_Dx3D[:, D:2 * D].T)
-        out[f"{pre}.self_attn.v_proj.weight"] = _f32(qkv_Dx3D[:, 2 * D:3 * D].T)
+        for name, (a, b) in cuts.items():
+            out[f"{pre}.self_attn.{name}_proj.weight"] = _f32(qkv_kernel[:, a:b].T)
+            if shape.qkv_bias:
+                out[f"{pre}.self_attn.{name}_proj.bias"] = _f32(np.asarray(qkv["bias"])[a:b])
         out[f"{pre}.self_attn.o_proj.weight"] = _f32(np.asarray(block["attn"]["o"]["kernel"]).T)
         out[f"{pre}.post_attention_layernorm.weight"] = _f32(block["mlp_norm"]["scale"])
         out[f"{pre}.mlp.gate_proj.weight"] = _f32(gate_up_Dx2F[:, :F].T)
@@ -115,25 +120,26 @@ def hf_config(shape: ModelShape, max_positions: int, special: SpecialIds) -> dic
     rope_theta into rope_parameters (keeping rope_parameters' own value) and takes torch_dtype silently
     when dtype is set, and 4.x ignores the keys it does not know.
     """
+    qwen2 = shape.qkv_bias  # Llama's attention_bias would put a bias on o_proj too; Qwen2 has q/k/v only
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama",
         "vocab_size": shape.vocab_size,
         "hidden_size": shape.d_model,
         "intermediate_size": shape.d_ff,
         "num_hidden_layers": shape.n_layers,
         "num_attention_heads": shape.n_heads,
-        "num_key_value_heads": shape.n_heads,
+        "num_key_value_heads": shape.kv_heads,
         "head_dim": shape.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": int(max_positions),
-        "rms_norm_eps": RMS_NORM_EPS,
-        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
-        "rope_theta": ROPE_THETA,
+        "rms_norm_eps": shape.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "rope_theta": shape.rope_theta,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": shape.tie_embeddings,
         "bos_token_id": special.start[0] if special.start else None,
         "eos_token_id": special.eos,
         "pad_token_id": None,

@@ -14,15 +14,25 @@ import jax
 import jax.numpy as jnp
 
 from slm.model.sizing import ModelShape
-from slm.model.transformer import Dtype, RMSNorm, SwiGLU, Transformer, dense, rotary_at
+from slm.model.transformer import (
+    Dtype,
+    RMSNorm,
+    SwiGLU,
+    Transformer,
+    attend,
+    dense,
+    head_weights,
+    project_qkv,
+    rotary_at,
+)
 
-KVCache = list  # one {"k": BxSxHxK, "v": BxSxHxK} per layer, S cache positions, in the compute dtype
+KVCache = list  # one {"k": BxSxGxK, "v": BxSxGxK} per layer: S cache positions, G key/value heads
 
 
 def init_cache(shape: ModelShape, batch: int, length: int, dtype: Dtype = jnp.float32) -> KVCache:
     """A zeroed cache of `length` positions (one buffer per tensor, so the whole cache can be donated)."""
     def zeros() -> jax.Array:
-        return jnp.zeros((batch, length, shape.n_heads, shape.head_dim), dtype)
+        return jnp.zeros((batch, length, shape.kv_heads, shape.head_dim), dtype)
 
     return [{"k": zeros(), "v": zeros()} for _ in range(shape.n_layers)]
 
@@ -38,23 +48,18 @@ class CachedAttention(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array) -> tuple[jax.Array, dict]:
         B, T, D = x_BxTxD.shape
-        H, K = self.shape.n_heads, self.shape.head_dim
+        H, K, theta = self.shape.n_heads, self.shape.head_dim, self.shape.rope_theta
         S = cache["k"].shape[1]
         assert T <= S, f"{T} new tokens do not fit a cache of {S} positions"
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
-        qkv_BxTx3D = dense(3 * D, "qkv", self.dtype, 0.02)(x_BxTxD)
-        q, k, v = jnp.split(qkv_BxTx3D.reshape(B, T, 3 * H, K), 3, axis=2)
-        q, k = rotary_at(q, start, S), rotary_at(k, start, S)
-        k_BxSxHxK = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)
-        v_BxSxHxK = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
-        logits_BxHxTxS = jnp.einsum("bqhk,bshk->bhqs", q, k_BxSxHxK, preferred_element_type=jnp.float32)
-        logits_BxHxTxS = logits_BxHxTxS * (K ** -0.5)
+        q, k, v = project_qkv(self.shape, self.dtype, x_BxTxD)
+        q, k = rotary_at(q, start, S, theta), rotary_at(k, start, S, theta)
+        k_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)
+        v_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
         causal_TxS = (start + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :]
-        logits_BxHxTxS = jnp.where(causal_TxS, logits_BxHxTxS, jnp.finfo(jnp.float32).min)
-        probs_BxHxTxS = jax.nn.softmax(logits_BxHxTxS, axis=-1).astype(self.dtype)
-        out_BxTxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxTxS, v_BxSxHxK)
-        out_BxTxD = dense(D, "o", self.dtype, out_std)(out_BxTxHxK.reshape(B, T, D))
-        return out_BxTxD, {"k": k_BxSxHxK, "v": v_BxSxHxK}
+        out_BxTxHxK = attend(q, k_BxSxGxK, v_BxSxGxK, causal_TxS, self.dtype)
+        out_BxTxD = dense(D, "o", self.dtype, out_std)(out_BxTxHxK.reshape(B, T, H * K))
+        return out_BxTxD, {"k": k_BxSxGxK, "v": v_BxSxGxK}
 
 
 class CachedBlock(nn.Module):
@@ -63,10 +68,11 @@ class CachedBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array) -> tuple[jax.Array, dict]:
+        eps = self.shape.norm_eps
         attn_BxTxD, cache = CachedAttention(self.shape, self.dtype, name="attn")(
-            RMSNorm(name="attn_norm")(x_BxTxD), cache, start)
+            RMSNorm(eps, name="attn_norm")(x_BxTxD), cache, start)
         x_BxTxD = x_BxTxD + attn_BxTxD
-        x_BxTxD = x_BxTxD + SwiGLU(self.shape, self.dtype, name="mlp")(RMSNorm(name="mlp_norm")(x_BxTxD))
+        x_BxTxD = x_BxTxD + SwiGLU(self.shape, self.dtype, name="mlp")(RMSNorm(eps, name="mlp_norm")(x_BxTxD))
         return x_BxTxD, cache
 
 
@@ -93,10 +99,9 @@ class CachedTransformer(nn.Module):
             new_cache.append(layer_cache)
         if last is not None:
             x_BxTxD = jax.lax.dynamic_slice_in_dim(x_BxTxD, last, 1, axis=1)
-        x_BxTxD = RMSNorm(name="final_norm")(x_BxTxD)
-        logits_BxTxV = jnp.einsum(
-            "bld,vd->blv", x_BxTxD, embed_VxD.astype(self.dtype), preferred_element_type=jnp.float32
-        )
+        x_BxTxD = RMSNorm(self.shape.norm_eps, name="final_norm")(x_BxTxD)
+        head_VxD = head_weights(self, embed_VxD).astype(self.dtype)
+        logits_BxTxV = jnp.einsum("bld,vd->blv", x_BxTxD, head_VxD, preferred_element_type=jnp.float32)
         return logits_BxTxV, new_cache
 
 

@@ -42,24 +42,41 @@ class ModelShape:
     d_model: int
     n_heads: int
     d_ff: int
+    # Pretrained families (Llama, Mistral, Qwen2) differ from this trainer's own shapes in these; the
+    # defaults are its own model, whose parameter tree and arithmetic they leave exactly as they were.
+    n_kv_heads: int | None = None  # grouped-query attention: key/value heads (None: n_heads)
+    head_size: int | None = None  # per-head width when it is not d_model / n_heads
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    tie_embeddings: bool = True  # the output projection is the token embedding
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def count_params(shape: ModelShape) -> int:
-    """Exact parameter count of model.Transformer for this shape."""
+    """Exact parameter count of model.Transformer for this shape (the module docstring's formula when the
+    pretrained-family fields keep their defaults: then H*K == G*K == D)."""
     V, L, D, F = shape.vocab_size, shape.n_layers, shape.d_model, shape.d_ff
-    return V * D + L * (4 * D * D + 3 * D * F + 2 * D) + D
+    qkv = (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim
+    attn = D * qkv + shape.n_heads * shape.head_dim * D + (qkv if shape.qkv_bias else 0)
+    return V * D * (1 if shape.tie_embeddings else 2) + L * (attn + 3 * D * F + 2 * D) + D
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> int:
-    """Training FLOPs per token: 6N + 12*L*D*S (forward + backward, including attention)."""
-    return 6 * count_params(shape) + 12 * shape.n_layers * shape.d_model * seq_len
+    """Training FLOPs per token: 6N + 12*L*D*S (forward + backward, including attention); an untied
+    embedding's lookup is free, so its V*D parameters are left out of N."""
+    matmul_params = count_params(shape) - (0 if shape.tie_embeddings else shape.vocab_size * shape.d_model)
+    return 6 * matmul_params + 12 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
 
 
 def default_head_dim(d_model: int) -> int:

@@ -1,4 +1,5 @@
-"""Decoder-only transformer in Flax Linen: pre-norm RMSNorm, rotary positions, SwiGLU, tied embedding.
+"""Decoder-only transformer in Flax Linen: pre-norm RMSNorm, rotary positions, SwiGLU, tied embedding; with
+grouped-query attention, q/k/v biases and an untied head when the shape asks (Llama, Mistral, Qwen2).
 
 Shapes are in the names: B batch, L sequence, D model width, H heads, K head dim, F MLP width, V vocab.
 Parameters are float32 ("master weights"); `dtype` is the compute dtype (bfloat16 under
@@ -81,11 +82,38 @@ def _rotate(x_BxLxHxK: jax.Array, cos_LxK: Any, sin_LxK: Any) -> jax.Array:
     return out.astype(x_BxLxHxK.dtype)
 
 
-def dense(features: int, name: str, dtype: Dtype, std: float) -> nn.Dense:
+def dense(features: int, name: str, dtype: Dtype, std: float, bias: bool = False) -> nn.Dense:
     return nn.Dense(
-        features, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
+        features, use_bias=bias, dtype=dtype, param_dtype=jnp.float32,
         kernel_init=nn.initializers.normal(std), name=name,
     )
+
+
+def project_qkv(shape: ModelShape, dtype: Dtype, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One fused projection (named "qkv", inside the calling module) -> q (B, L, H, K), k and v (B, L, G, K);
+    G = H without grouped-query attention, when the kernel is (D, 3D) as it always was."""
+    B, L, _ = x_BxLxD.shape
+    H, G, K = shape.n_heads, shape.kv_heads, shape.head_dim
+    qkv = dense((H + 2 * G) * K, "qkv", dtype, 0.02, bias=shape.qkv_bias)(x_BxLxD).reshape(B, L, H + 2 * G, K)
+    return qkv[:, :, :H], qkv[:, :, H:H + G], qkv[:, :, H + G:]
+
+
+def attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mask_LxS: jax.Array,
+           dtype: Dtype) -> jax.Array:
+    """Scaled dot-product attention under a boolean mask -> (B, L, H, K). With G < H key/value heads each
+    serves H/G consecutive query heads (transformers' repeat_kv order), without materialising copies."""
+    B, L, H, K = q_BxLxHxK.shape
+    G = k_BxSxGxK.shape[2]
+    if G == H:
+        logits_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxSxGxK, preferred_element_type=jnp.float32)
+        logits_BxHxLxS = jnp.where(mask_LxS, logits_BxHxLxS * (K ** -0.5), jnp.finfo(jnp.float32).min)
+        probs_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1).astype(dtype)
+        return jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxS, v_BxSxGxK)
+    q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
+    logits = jnp.einsum("bqgrk,bsgk->bgrqs", q_BxLxGxRxK, k_BxSxGxK, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask_LxS, logits * (K ** -0.5), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
+    return jnp.einsum("bgrqs,bsgk->bqgrk", probs, v_BxSxGxK).reshape(B, L, H, K)
 
 
 class Attention(nn.Module):
@@ -95,18 +123,12 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         B, L, D = x_BxLxD.shape
-        H, K = self.shape.n_heads, self.shape.head_dim
+        H, K, theta = self.shape.n_heads, self.shape.head_dim, self.shape.rope_theta
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
-        qkv_BxLx3D = dense(3 * D, "qkv", self.dtype, 0.02)(x_BxLxD)
-        q, k, v = jnp.split(qkv_BxLx3D.reshape(B, L, 3 * H, K), 3, axis=2)
-        q, k = rotary(q), rotary(k)
-        logits_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
-        logits_BxHxLxL = logits_BxHxLxL * (K ** -0.5)
-        causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
-        logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
-        probs_BxHxLxL = jax.nn.softmax(logits_BxHxLxL, axis=-1).astype(self.dtype)
-        out_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxL, v)
-        return dense(D, "o", self.dtype, out_std)(out_BxLxHxK.reshape(B, L, D))
+        q, k, v = project_qkv(self.shape, self.dtype, x_BxLxD)
+        q, k = rotary(q, theta), rotary(k, theta)
+        out_BxLxHxK = attend(q, k, v, jnp.tril(jnp.ones((L, L), dtype=bool)), self.dtype)
+        return dense(D, "o", self.dtype, out_std)(out_BxLxHxK.reshape(B, L, H * K))
 
 
 class SwiGLU(nn.Module):
@@ -128,8 +150,9 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        x_BxLxD = x_BxLxD + Attention(self.shape, self.dtype, name="attn")(RMSNorm(name="attn_norm")(x_BxLxD))
-        x_BxLxD = x_BxLxD + SwiGLU(self.shape, self.dtype, name="mlp")(RMSNorm(name="mlp_norm")(x_BxLxD))
+        eps = self.shape.norm_eps
+        x_BxLxD = x_BxLxD + Attention(self.shape, self.dtype, name="attn")(RMSNorm(eps, name="attn_norm")(x_BxLxD))
+        x_BxLxD = x_BxLxD + SwiGLU(self.shape, self.dtype, name="mlp")(RMSNorm(eps, name="mlp_norm")(x_BxLxD))
         return x_BxLxD
 
 
@@ -149,10 +172,17 @@ class Transformer(nn.Module):
         block_cls = nn.remat(Block, prevent_cse=True) if self.remat else Block
         for i in range(self.shape.n_layers):
             x_BxLxD = block_cls(self.shape, self.dtype, name=f"block_{i}")(x_BxLxD)
-        x_BxLxD = RMSNorm(name="final_norm")(x_BxLxD)
-        return jnp.einsum(
-            "bld,vd->blv", x_BxLxD, embed_VxD.astype(self.dtype), preferred_element_type=jnp.float32
-        )
+        x_BxLxD = RMSNorm(self.shape.norm_eps, name="final_norm")(x_BxLxD)
+        head_VxD = head_weights(self, embed_VxD).astype(self.dtype)
+        return jnp.einsum("bld,vd->blv", x_BxLxD, head_VxD, preferred_element_type=jnp.float32)
+
+
+def head_weights(module: nn.Module, embed_VxD: jax.Array) -> jax.Array:
+    """The output projection (V, D): the embedding itself when tied, else its own "unembed" parameter."""
+    shape = module.shape
+    if shape.tie_embeddings:
+        return embed_VxD
+    return module.param("unembed", nn.initializers.normal(0.02), (shape.vocab_size, shape.d_model), jnp.float32)
 
 
 def init_params(model: Transformer, seed: int, seq_len: int) -> Any:

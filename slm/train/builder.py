@@ -117,9 +117,12 @@ def compile_step(built: Built) -> tuple[Any, float, float]:
     return mem["compiled"], time.time() - t0, mem["peak"] / MB
 
 
-def init_state(built: Built) -> TrainState:
-    """The step-0 state, built in place with its final layout: under FSDP no device holds the whole state."""
+def init_state(built: Built, params: Any = None) -> TrainState:
+    """The step-0 state, built in place with its final layout (under FSDP no device holds the whole state):
+    from a random init, or from `params` (--init-from's weights, host arrays)."""
     spec = built.spec
+    if params is not None:
+        return jax.jit(lambda p: fresh_state(p, built.tx), out_shardings=built.state_sharding)(params)
     return jax.jit(lambda: fresh_state(init_params(built.model, spec.seed, spec.seq_len), built.tx),
                    out_shardings=built.state_sharding)()
 

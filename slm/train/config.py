@@ -56,6 +56,9 @@ class Config:
     use_streaming: bool = setting(False, "Stream and tokenize on the fly in constant memory (off: load and tokenize everything up front)", IDENTITY)
     shuffle_buffer_size: int = setting(10_000, "Documents in the shuffle buffer (0 or 1: no shuffling)", IDENTITY, "documents")
     max_examples: int | None = setting(None, "Use at most this many training documents per epoch", IDENTITY, "documents")
+    # start from a pretrained model
+    init_from: str | None = setting(None, "A Hugging Face model folder or hub id (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; safetensors only) to start from: its shape, weights and tokenizer replace --target-params and the BPE", IDENTITY, unset="off")
+    init_revision: str | None = setting(None, "With a hub --init-from: the commit to download (default: the newest, recorded here so a resume loads the same weights)", IDENTITY, unset="newest")
     # tokenizer
     tokenizer: str | None = setting(None, "Path to a tokenizer.json; otherwise a byte-level BPE is trained on the stream", IDENTITY)
     vocab_size: int | None = setting(None, "Vocabulary of the BPE to train (default: 512-8192 by --target-params)", IDENTITY, "tokens")
@@ -173,7 +176,7 @@ def apply_preset(c: Config, name: str, explicit: set[str] | None = None) -> list
 
 
 POSITIVE = ("checkpoint_minutes", "keep_checkpoints", "memory_alert_mb", "batch_size", "gradient_accumulation_steps",
-            "target_params", "epochs", "eval_every", "eval_tokens", "log_every", "checkpoint_every", "max_steps",
+            "target_params", "epochs", "eval_every", "eval_tokens", "log_every", "checkpoint_every",
             "max_time", "learning_rate", "vocab_size", "n_layers", "d_model", "n_heads", "max_examples",
             "cpu_devices", "num_processes")
 NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "shuffle_buffer_size", "skip_nonfinite")
@@ -213,6 +216,12 @@ def validate(c: Config) -> None:
         raise ConfigError("several --dataset-id (a mixture) need --use-streaming")
     if c.mixture_exhausted not in ("restart", "drop"):
         raise ConfigError(f"--mixture-exhausted {c.mixture_exhausted}: choose restart or drop")
+    if c.max_steps is not None and (c.max_steps < 0 or (c.max_steps == 0 and not c.init_from)):
+        raise ConfigError(f"--max-steps {c.max_steps}: must be positive (0 only with --init-from: evaluate and "
+                          f"save the pretrained model as a run)")
+    if c.init_from and (c.vocab_size or c.n_layers or c.d_model or c.n_heads):
+        raise ConfigError("--init-from: the shape and vocabulary come from the checkpoint; drop --vocab-size, "
+                          "--n-layers, --d-model and --n-heads")
     if c.tokenizer and c.vocab_size:
         raise ConfigError("--tokenizer and --vocab-size: give one (the vocabulary comes from the tokenizer file)")
 

@@ -119,6 +119,7 @@ class TrainData:
     shape: ModelShape
     data_mb: float  # the data pipeline's host memory
     rows: tuple[np.ndarray, np.ndarray] | None  # full load: this process's (inputs, targets)
+    init_params: dict | None = None  # --init-from: the pretrained weights (None when resuming: the checkpoint has them)
 
 
 def eval_source_of(c: Config, source: TextSource, log: Log) -> TextSource | None:
@@ -196,8 +197,9 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
     source = training_source(c, log)
     eval_source = eval_source_of(c, source, log)
     heldout = held_out_docs(c, source) if eval_source is None else []
+    init_shape, init_params = pretrained(c, log) if c.init_from else (None, None)
     tokenizer, special, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log)
-    shape = choose_shape(c.target_params, tokenizer.get_vocab_size(), c.n_layers, c.d_model, c.n_heads)
+    shape = init_shape or choose_shape(c.target_params, tokenizer.get_vocab_size(), c.n_layers, c.d_model, c.n_heads)
     c.learning_rate = c.learning_rate or default_learning_rate(count_params(shape))
     if eval_source is not None:
         whole = isinstance(eval_source, LocalFiles)  # a separate local file is scored whole, a hub split capped
@@ -217,7 +219,28 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
             raise DatasetError(f"{source.name}: {len(rows[0])} sequences, fewer than --batch-size {c.batch_size}")
         data_mb = (rows[0].nbytes + rows[1].nbytes) / 2**20
         log(f"[data] full load: {rows[0].shape[0]:,} sequences, {data_mb:.1f} MB in memory")
-    return TrainData(source, tokenizer, special, tok_s, eval_set, len(heldout), shape, data_mb, rows)
+    return TrainData(source, tokenizer, special, tok_s, eval_set, len(heldout), shape, data_mb, rows, init_params)
+
+
+def pretrained(c: Config, log: Log) -> tuple[Any, dict | None]:
+    """--init-from: (shape, weights) of the folder (a hub id is downloaded, its commit pinned in
+    --init-revision); its tokenizer.json becomes --tokenizer. On --resume only the shape is read."""
+    from slm.io.hf_import import load_hf_folder, resolve_pretrained
+
+    folder, c.init_revision = resolve_pretrained(c.init_from, c.init_revision, log)
+    if not c.tokenizer:
+        c.tokenizer = os.path.join(folder, "tokenizer.json")
+    t = time.time()
+    shape, params, _ = load_hf_folder(folder, weights=not c.resume)
+    if params is not None:
+        log(f"[init] {c.init_from}: {sum(x.size for x in _leaves(params)) / 1e6:.1f}M parameters loaded from "
+            f"safetensors in {time.time() - t:.1f}s")
+    return shape, params
+
+
+def _leaves(tree: dict):
+    for v in tree.values():
+        yield from (_leaves(v) if isinstance(v, dict) else [v])
 
 
 FIT_KEYS = ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "use_mixed_precision",

@@ -152,7 +152,8 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
         raise ConfigError(f"--batch-size {c.batch_size} does not split evenly over {procs.count} processes; "
                           f"use a multiple of {procs.count}")
     env.monitor.device_bytes = jax_device_bytes(mesh.devices.flat[0])
-    state = init_state(built)
+    state = init_state(built, data.init_params)
+    data.init_params = None  # the state holds them now: free the host copy
     lplan = loop_plan(c, data, env.start)
     peak = peak_flops(mesh, procs)
     facts, resolved = write_config(c, data, built, plan, state, lplan, peak, env)
@@ -172,9 +173,12 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
         closing.callback(cb.close)
     accumulating = c.gradient_accumulation_steps > 1
     flush = make_flush_step(built.tx, built.state_sharding, built.batch_sharding) if accumulating else None
-    run_loop(run, DeviceStep(compiled, built.batch_sharding, needs_step_sync(mesh), flush), batches.open, callbacks,
-             lplan, procs, env.clock, resumed=bool(resumed))
-    if run.step == 0:
+    if c.max_steps == 0:  # --init-from with --max-steps 0: the pretrained model evaluated and saved as a run
+        run.stop("--max-steps 0")
+    else:
+        run_loop(run, DeviceStep(compiled, built.batch_sharding, needs_step_sync(mesh), flush), batches.open,
+                 callbacks, lplan, procs, env.clock, resumed=bool(resumed))
+    if run.step == 0 and c.max_steps != 0:
         raise DatasetError(f"{data.source.name}: no complete optimizer step was possible; use more data or a "
                            f"smaller batch")
     env.log(f"[run] stopped: {run.stop_reason}")

@@ -1,0 +1,150 @@
+"""Load a Hugging Face LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM folder into this trainer's model.
+
+    shape = shape_from_hf_config(json.load(open("folder/config.json")))
+    params = load_hf_params("folder", shape)           # numpy float32, tensor by tensor
+
+The inverse of slm.io.hf_export: transformers stores each Linear as (out, in), Flax as (in, out); q/k/v
+are fused into one "qkv" kernel (q, then k, then v, as the model slices them) and gate/up into "gate_up".
+RoPE needs no permutation: the model rotates the two halves of each head, as transformers' rotate_half.
+
+Safe by construction: weights are read from safetensors only (a folder with only pickled `.bin` weights is
+refused, naming the conversion; nothing is unpickled), one tensor at a time, and no remote code runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from slm.errors import RunError
+from slm.model.sizing import ModelShape
+
+FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
+def shape_from_hf_config(cfg: dict, where: str = "config.json") -> ModelShape:
+    """The ModelShape of a transformers config.json; one-line RunErrors for what this model cannot do."""
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch not in FAMILIES:
+        raise RunError(f"{where}: architecture {arch!r} is not supported; use one of {', '.join(FAMILIES)}")
+    scaling = cfg.get("rope_scaling") or {}
+    kind = scaling.get("rope_type") or scaling.get("type") if isinstance(scaling, dict) else None
+    if kind not in (None, "default"):
+        raise RunError(f"{where}: rope scaling {kind!r} is not supported yet; use a checkpoint without rope_scaling")
+    if cfg.get("mlp_bias"):
+        raise RunError(f"{where}: mlp_bias is not supported")
+    D, H = cfg["hidden_size"], cfg["num_attention_heads"]
+    head = cfg.get("head_dim") or D // H
+    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    return ModelShape(
+        vocab_size=cfg["vocab_size"], n_layers=cfg["num_hidden_layers"], d_model=D, n_heads=H,
+        d_ff=cfg["intermediate_size"], n_kv_heads=cfg.get("num_key_value_heads") or H,
+        head_size=None if head * H == D else head,
+        qkv_bias=FAMILIES[arch] == "qwen2" or bool(cfg.get("attention_bias")),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_theta=float(theta),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+    )
+
+
+def weight_files(folder: str) -> list[str]:
+    """The folder's safetensors files (one, or the shards of model.safetensors.index.json)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, n) for n in names]
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    if any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(folder)):
+        raise RunError(f"{folder}: only pickled .bin weights, which are never loaded here (unpickling runs code); "
+                       f"convert them to safetensors first, e.g. with transformers: "
+                       f"AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)")
+    raise RunError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def _tensors(files: list[str]) -> Iterator[tuple[str, Any]]:
+    """(name, float32 numpy array), one tensor at a time (bfloat16 and float16 files included)."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="flax") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, np.asarray(f.get_tensor(name), dtype=np.float32)
+
+
+def load_hf_params(folder: str, shape: ModelShape) -> dict:
+    """The model's params (a nested dict of float32 numpy arrays) from the folder's safetensors."""
+    H, G, K = shape.n_heads, shape.kv_heads, shape.head_dim
+    blocks: dict[int, dict[str, Any]] = {i: {} for i in range(shape.n_layers)}
+    top: dict[str, Any] = {}
+    for name, x in _tensors(weight_files(folder)):
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers."):].split(".", 1)
+            blocks[int(i)][rest] = x
+        else:
+            top[name] = x
+    params = {"embed": _need(top, "model.embed_tokens.weight", (shape.vocab_size, shape.d_model), folder),
+              "final_norm": {"scale": _need(top, "model.norm.weight", (shape.d_model,), folder)}}
+    if not shape.tie_embeddings:
+        params["unembed"] = _need(top, "lm_head.weight", (shape.vocab_size, shape.d_model), folder)
+    for i, t in blocks.items():
+        attn = {"qkv": {"kernel": np.concatenate([_need(t, f"self_attn.{p}_proj.weight", (n * K, shape.d_model), folder).T
+                                                  for p, n in (("q", H), ("k", G), ("v", G))], axis=1)},
+                "o": {"kernel": np.ascontiguousarray(_need(t, "self_attn.o_proj.weight", (shape.d_model, H * K), folder).T)}}
+        if shape.qkv_bias:
+            attn["qkv"]["bias"] = np.concatenate([_need(t, f"self_attn.{p}_proj.bias", (n * K,), folder)
+                                                  for p, n in (("q", H), ("k", G), ("v", G))])
+        gate_up = [_need(t, f"mlp.{p}_proj.weight", (shape.d_ff, shape.d_model), folder).T for p in ("gate", "up")]
+        params[f"block_{i}"] = {
+            "attn_norm": {"scale": _need(t, "input_layernorm.weight", (shape.d_model,), folder)},
+            "attn": attn,
+            "mlp_norm": {"scale": _need(t, "post_attention_layernorm.weight", (shape.d_model,), folder)},
+            "mlp": {"gate_up": {"kernel": np.concatenate(gate_up, axis=1)},
+                    "down": {"kernel": np.ascontiguousarray(_need(t, "mlp.down_proj.weight", (shape.d_model, shape.d_ff), folder).T)}},
+        }
+    return params
+
+
+def _need(tensors: dict, name: str, shape: tuple, folder: str) -> np.ndarray:
+    x = tensors.pop(name, None)
+    if x is None:
+        raise RunError(f"{folder}: the weights have no tensor {name}; is it a Llama/Mistral/Qwen2 checkpoint?")
+    if tuple(x.shape) != shape:
+        raise RunError(f"{folder}: {name} is {tuple(x.shape)}, config.json implies {shape}")
+    return x
+
+
+def load_hf_folder(folder: str, weights: bool = True) -> tuple[ModelShape, dict | None, dict]:
+    """(shape, params or None without `weights`, config.json) of a local Hugging Face model folder."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise RunError(f"{folder}: no config.json; pass a Hugging Face model folder")
+    with open(path) as f:
+        cfg = json.load(f)
+    shape = shape_from_hf_config(cfg, path)
+    return shape, load_hf_params(folder, shape) if weights else None, cfg
+
+
+def resolve_pretrained(spec: str, revision: str | None, log) -> tuple[str, str | None]:
+    """(local folder, pinned revision) for --init-from: a folder as is; a hub id downloaded with
+    huggingface_hub (config, tokenizer and safetensors only: never pickles or code) at `revision`,
+    which is returned resolved to its commit so the run's config.json pins it."""
+    if os.path.isdir(spec):
+        return spec, revision
+    if os.path.exists(spec) or spec.startswith((".", "/", "~")):
+        raise RunError(f"--init-from {spec}: not a folder; pass a Hugging Face model folder or a hub id")
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(spec, revision=revision, allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
+    except Exception as e:  # noqa: BLE001 - offline, unknown id, no access: one line
+        raise RunError(f"--init-from {spec}: could not download it from the hub ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:160] if str(e) else ''}); pass a local folder") from None
+    commit = os.path.basename(os.path.normpath(folder))  # .../snapshots/<commit>
+    log(f"[init] {spec}: downloaded revision {commit}")
+    return folder, commit

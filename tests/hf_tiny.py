@@ -1,0 +1,36 @@
+"""Tiny random Llama, Mistral and Qwen2 models saved by transformers (grouped-query attention, each family's
+rope theta and RMSNorm eps, Qwen2's q/k/v biases, tied and untied heads; norms and biases randomised so a
+mix-up shows), for the loading and fine-tuning tests."""
+
+from __future__ import annotations
+
+import torch
+
+FAMILIES = {
+    "llama": dict(rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "mistral": dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=None),
+    "qwen2": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+}
+
+
+def save_tiny(family: str, out, seed: int = 0, vocab_size: int = 128, tokenizer=None):
+    """Save a tiny random model of `family` to `out` (with `tokenizer` as its tokenizer.json when given)."""
+    import transformers
+
+    cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    config = getattr(transformers, f"{cls}Config")(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, **FAMILIES[family])
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{cls}ForCausalLM")(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms and biases off their init, so a mix-up shows
+            if "norm" in name:
+                p.copy_(1.0 + 0.5 * (torch.rand(p.shape, generator=gen) * 2 - 1))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(out), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save(str(out / "tokenizer.json"))
+    return model
