@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -67,47 +67,97 @@ def weight_files(folder: str) -> list[str]:
     raise RunError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def _tensors(files: list[str]) -> Iterator[tuple[str, Any]]:
-    """(name, float32 numpy array), one tensor at a time (bfloat16 and float16 files included)."""
-    from safetensors import safe_open
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def _tensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, float32 numpy array), one tensor at a time, in file order.
+
+    Read with plain file reads rather than safetensors' memory map: a mapped file's pages count in the
+    process's RSS once touched, which would add the whole file to the loading peak. The format is an
+    8-byte header length, a JSON header {name: {dtype, shape, data_offsets}}, then the raw bytes
+    (https://github.com/huggingface/safetensors#format).
+    """
+    import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy (a jax dependency)
 
     for path in files:
-        with safe_open(path, framework="flax") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, np.asarray(f.get_tensor(name), dtype=np.float32)
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+            header.pop("__metadata__", None)
+            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                if info["dtype"] not in _DTYPES:
+                    raise RunError(f"{path}: tensor {name} has dtype {info['dtype']}; expected floating point weights")
+                start, end = info["data_offsets"]
+                f.seek(8 + size + start)
+                x = np.empty(info["shape"], dtype=np.dtype(_DTYPES[info["dtype"]]))
+                if f.readinto(memoryview(x.reshape(-1).view(np.uint8))) != end - start:
+                    raise RunError(f"{path}: truncated at tensor {name}; download it again")
+                yield name, x.astype(np.float32, copy=False)
 
 
-def load_hf_params(folder: str, shape: ModelShape) -> dict:
-    """The model's params (a nested dict of float32 numpy arrays) from the folder's safetensors."""
-    H, G, K = shape.n_heads, shape.kv_heads, shape.head_dim
-    blocks: dict[int, dict[str, Any]] = {i: {} for i in range(shape.n_layers)}
-    top: dict[str, Any] = {}
-    for name, x in _tensors(weight_files(folder)):
-        if name.startswith("model.layers."):
-            i, rest = name[len("model.layers."):].split(".", 1)
-            blocks[int(i)][rest] = x
-        else:
-            top[name] = x
-    params = {"embed": _need(top, "model.embed_tokens.weight", (shape.vocab_size, shape.d_model), folder),
-              "final_norm": {"scale": _need(top, "model.norm.weight", (shape.d_model,), folder)}}
+def _layer_names(shape: ModelShape) -> set[str]:
+    names = {f"self_attn.{p}_proj.weight" for p in "qkvo"} | {f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    names |= {"input_layernorm.weight", "post_attention_layernorm.weight"}
+    return names | ({f"self_attn.{p}_proj.bias" for p in "qkv"} if shape.qkv_bias else set())
+
+
+def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray], Any] = np.asarray) -> dict:
+    """The model's params from the folder's safetensors, tensor by tensor: each layer is assembled (q/k/v and
+    gate/up fused, kernels transposed) as soon as its tensors have been read, then handed to `place` (e.g.
+    jax.device_put) and its pieces dropped, so the host holds the placed params plus about one layer."""
+    wanted = _layer_names(shape)
+    V, D = shape.vocab_size, shape.d_model
+    top = {"model.embed_tokens.weight": ("embed", (V, D)), "model.norm.weight": ("final_norm", (D,))}
     if not shape.tie_embeddings:
-        params["unembed"] = _need(top, "lm_head.weight", (shape.vocab_size, shape.d_model), folder)
-    for i, t in blocks.items():
-        attn = {"qkv": {"kernel": np.concatenate([_need(t, f"self_attn.{p}_proj.weight", (n * K, shape.d_model), folder).T
-                                                  for p, n in (("q", H), ("k", G), ("v", G))], axis=1)},
-                "o": {"kernel": np.ascontiguousarray(_need(t, "self_attn.o_proj.weight", (shape.d_model, H * K), folder).T)}}
-        if shape.qkv_bias:
-            attn["qkv"]["bias"] = np.concatenate([_need(t, f"self_attn.{p}_proj.bias", (n * K,), folder)
-                                                  for p, n in (("q", H), ("k", G), ("v", G))])
-        gate_up = [_need(t, f"mlp.{p}_proj.weight", (shape.d_ff, shape.d_model), folder).T for p in ("gate", "up")]
-        params[f"block_{i}"] = {
-            "attn_norm": {"scale": _need(t, "input_layernorm.weight", (shape.d_model,), folder)},
-            "attn": attn,
-            "mlp_norm": {"scale": _need(t, "post_attention_layernorm.weight", (shape.d_model,), folder)},
-            "mlp": {"gate_up": {"kernel": np.concatenate(gate_up, axis=1)},
-                    "down": {"kernel": np.ascontiguousarray(_need(t, "mlp.down_proj.weight", (shape.d_model, shape.d_ff), folder).T)}},
-        }
+        top["lm_head.weight"] = ("unembed", (V, D))
+    pending: dict[int, dict[str, np.ndarray]] = {}
+    params: dict[str, Any] = {}
+    for name, x in _tensors(weight_files(folder)):
+        if name in top:  # placed at once: the embedding and head are the largest tensors
+            key, want = top[name]
+            x = place(_need({name: x}, name, want, folder))
+            params[key] = {"scale": x} if key == "final_norm" else x
+            continue
+        if not name.startswith("model.layers."):
+            continue  # e.g. rotary inv_freq buffers some older exports carry
+        i, rest = name[len("model.layers."):].split(".", 1)
+        layer = pending.setdefault(int(i), {})
+        layer[rest] = x
+        if wanted <= layer.keys():
+            params[f"block_{i}"] = map_leaves(place, _block(pending.pop(int(i)), shape, folder))
+    for i in range(shape.n_layers):
+        if f"block_{i}" not in params:
+            missing = min(wanted - pending.get(i, {}).keys())
+            raise RunError(f"{folder}: the weights have no tensor model.layers.{i}.{missing}; is it a "
+                           f"Llama/Mistral/Qwen2 checkpoint?")
+    for name, (key, _) in top.items():
+        if key not in params:
+            raise RunError(f"{folder}: the weights have no tensor {name}; is it a Llama/Mistral/Qwen2 checkpoint?")
     return params
+
+
+def map_leaves(fn: Callable, tree: dict) -> dict:
+    """`fn` on every leaf of a nested dict (no jax import needed here)."""
+    return {k: map_leaves(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
+
+
+def _block(t: dict, shape: ModelShape, folder: str) -> dict:
+    """One layer's tensors (transformers' names and (out, in) layouts) -> the model's block params."""
+    H, G, K, D, F = shape.n_heads, shape.kv_heads, shape.head_dim, shape.d_model, shape.d_ff
+    heads = (("q", H), ("k", G), ("v", G))
+    qkv = {"kernel": np.concatenate([_need(t, f"self_attn.{p}_proj.weight", (n * K, D), folder).T
+                                     for p, n in heads], axis=1)}
+    if shape.qkv_bias:
+        qkv["bias"] = np.concatenate([_need(t, f"self_attn.{p}_proj.bias", (n * K,), folder) for p, n in heads])
+    gate_up = [_need(t, f"mlp.{p}_proj.weight", (F, D), folder).T for p in ("gate", "up")]
+    return {
+        "attn_norm": {"scale": _need(t, "input_layernorm.weight", (D,), folder)},
+        "attn": {"qkv": qkv, "o": {"kernel": np.ascontiguousarray(_need(t, "self_attn.o_proj.weight", (D, H * K), folder).T)}},
+        "mlp_norm": {"scale": _need(t, "post_attention_layernorm.weight", (D,), folder)},
+        "mlp": {"gate_up": {"kernel": np.concatenate(gate_up, axis=1)},
+                "down": {"kernel": np.ascontiguousarray(_need(t, "mlp.down_proj.weight", (D, F), folder).T)}},
+    }
 
 
 def _need(tensors: dict, name: str, shape: tuple, folder: str) -> np.ndarray:
@@ -119,15 +169,17 @@ def _need(tensors: dict, name: str, shape: tuple, folder: str) -> np.ndarray:
     return x
 
 
-def load_hf_folder(folder: str, weights: bool = True) -> tuple[ModelShape, dict | None, dict]:
-    """(shape, params or None without `weights`, config.json) of a local Hugging Face model folder."""
+def load_hf_folder(folder: str, weights: bool = True,
+                   place: Callable[[np.ndarray], Any] = np.asarray) -> tuple[ModelShape, dict | None, dict]:
+    """(shape, params or None without `weights`, config.json) of a local Hugging Face model folder; each
+    array goes through `place` as soon as it is assembled (see load_hf_params)."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise RunError(f"{folder}: no config.json; pass a Hugging Face model folder")
     with open(path) as f:
         cfg = json.load(f)
     shape = shape_from_hf_config(cfg, path)
-    return shape, load_hf_params(folder, shape) if weights else None, cfg
+    return shape, load_hf_params(folder, shape, place) if weights else None, cfg
 
 
 def resolve_pretrained(spec: str, revision: str | None, log) -> tuple[str, str | None]:

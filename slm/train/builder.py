@@ -122,7 +122,9 @@ def init_state(built: Built, params: Any = None) -> TrainState:
     from a random init, or from `params` (--init-from's weights, host arrays)."""
     spec = built.spec
     if params is not None:
-        return jax.jit(lambda p: fresh_state(p, built.tx), out_shardings=built.state_sharding)(params)
+        # donated: the params move into the state's layout instead of being copied beside it
+        return jax.jit(lambda p: fresh_state(p, built.tx), out_shardings=built.state_sharding,
+                       donate_argnums=0)(params)
     return jax.jit(lambda: fresh_state(init_params(built.model, spec.seed, spec.seq_len), built.tx),
                    out_shardings=built.state_sharding)()
 

@@ -231,7 +231,9 @@ def pretrained(c: Config, log: Log) -> tuple[Any, dict | None]:
     if not c.tokenizer:
         c.tokenizer = os.path.join(folder, "tokenizer.json")
     t = time.time()
-    shape, params, _ = load_hf_folder(folder, weights=not c.resume)
+    import jax  # the weights go to the device as each layer is read: never all of them twice on the host
+
+    shape, params, _ = load_hf_folder(folder, weights=not c.resume, place=jax.device_put)
     if params is not None:
         log(f"[init] {c.init_from}: {sum(x.size for x in _leaves(params)) / 1e6:.1f}M parameters loaded from "
             f"safetensors in {time.time() - t:.1f}s")
