@@ -74,12 +74,35 @@ def rotary_at(x_BxTxHxK: jax.Array, start: jax.Array, table_len: int, base: floa
     return _rotate(x_BxTxHxK, cos_TxK, sin_TxK)
 
 
-def _rotate(x_BxLxHxK: jax.Array, cos_LxK: Any, sin_LxK: Any) -> jax.Array:
+def rotary_positions(x_BxLxHxK: jax.Array, pos_BxL: jax.Array, base: float = 10000.0) -> jax.Array:
+    """`rotary` at per-token positions (document masking restarts them at each document)."""
+    B, L, H, K = x_BxLxHxK.shape
+    cos_LxK, sin_LxK = rope_tables(L, K, base)
+    return _rotate(x_BxLxHxK, jnp.asarray(cos_LxK)[pos_BxL][:, :, None, :], jnp.asarray(sin_LxK)[pos_BxL][:, :, None, :])
+
+
+def _rotate(x_BxLxHxK: jax.Array, cos: Any, sin: Any) -> jax.Array:
+    """x * cos + swap(x) * sin; cos/sin are (L, K) tables, or already (B, L, 1, K) per token."""
     B, L, H, K = x_BxLxHxK.shape
     x = x_BxLxHxK.astype(jnp.float32)
     swapped = x.reshape(B, L, H, 2, K // 2)[..., ::-1, :].reshape(B, L, H, K)
-    out = x * cos_LxK[:, None, :] + swapped * sin_LxK[:, None, :]
+    if cos.ndim == 2:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    out = x * cos + swapped * sin
     return out.astype(x_BxLxHxK.dtype)
+
+
+def document_layout(ids_BxL: jax.Array, start_id: int) -> tuple[jax.Array, jax.Array]:
+    """(positions (B, L), mask (B, L, L)) for packed documents that each begin at a `start_id` token (the
+    separator a document follows, or its bos): positions restart at 0 there and a token attends only to
+    earlier tokens of its own document. Tokens before a row's first separator form one more document."""
+    B, L = ids_BxL.shape
+    index_L = jnp.arange(L)
+    starts_BxL = ids_BxL == start_id
+    doc_BxL = jnp.cumsum(starts_BxL, axis=1)
+    first_BxL = jax.lax.cummax(jnp.where(starts_BxL, index_L, 0), axis=1)
+    same_BxLxL = doc_BxL[:, :, None] == doc_BxL[:, None, :]
+    return index_L - first_BxL, same_BxLxL & jnp.tril(jnp.ones((L, L), dtype=bool))
 
 
 def dense(features: int, name: str, dtype: Dtype, std: float, bias: bool = False) -> nn.Dense:
@@ -104,6 +127,8 @@ def attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mas
     serves H/G consecutive query heads (transformers' repeat_kv order), without materialising copies."""
     B, L, H, K = q_BxLxHxK.shape
     G = k_BxSxGxK.shape[2]
+    if mask_LxS.ndim == 3:  # per row (B, L, S): document masking
+        mask_LxS = mask_LxS[:, None] if G == H else mask_LxS[:, None, None]
     if G == H:
         logits_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxSxGxK, preferred_element_type=jnp.float32)
         logits_BxHxLxS = jnp.where(mask_LxS, logits_BxHxLxS * (K ** -0.5), jnp.finfo(jnp.float32).min)
@@ -121,13 +146,17 @@ class Attention(nn.Module):
     dtype: Dtype
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         H, K, theta = self.shape.n_heads, self.shape.head_dim, self.shape.rope_theta
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
         q, k, v = project_qkv(self.shape, self.dtype, x_BxLxD)
-        q, k = rotary(q, theta), rotary(k, theta)
-        out_BxLxHxK = attend(q, k, v, jnp.tril(jnp.ones((L, L), dtype=bool)), self.dtype)
+        if layout is None:  # one causal sequence
+            q, k, mask = rotary(q, theta), rotary(k, theta), jnp.tril(jnp.ones((L, L), dtype=bool))
+        else:  # packed documents kept apart (document_layout)
+            pos_BxL, mask = layout
+            q, k = rotary_positions(q, pos_BxL, theta), rotary_positions(k, pos_BxL, theta)
+        out_BxLxHxK = attend(q, k, v, mask, self.dtype)
         return dense(D, "o", self.dtype, out_std)(out_BxLxHxK.reshape(B, L, H * K))
 
 
@@ -149,9 +178,10 @@ class Block(nn.Module):
     dtype: Dtype
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         eps = self.shape.norm_eps
-        x_BxLxD = x_BxLxD + Attention(self.shape, self.dtype, name="attn")(RMSNorm(eps, name="attn_norm")(x_BxLxD))
+        attn = Attention(self.shape, self.dtype, name="attn")
+        x_BxLxD = x_BxLxD + attn(RMSNorm(eps, name="attn_norm")(x_BxLxD), layout)
         x_BxLxD = x_BxLxD + SwiGLU(self.shape, self.dtype, name="mlp")(RMSNorm(eps, name="mlp_norm")(x_BxLxD))
         return x_BxLxD
 
@@ -162,6 +192,7 @@ class Transformer(nn.Module):
     shape: ModelShape
     dtype: Dtype = jnp.float32
     remat: bool = False  # gradient checkpointing: recompute each block's activations in backward
+    doc_start: int | None = None  # document masking: the token each packed document begins at (None: off)
 
     @nn.compact
     def __call__(self, ids_BxL: jax.Array) -> jax.Array:
@@ -169,9 +200,10 @@ class Transformer(nn.Module):
             "embed", nn.initializers.normal(0.02), (self.shape.vocab_size, self.shape.d_model), jnp.float32
         )
         x_BxLxD = jnp.take(embed_VxD, ids_BxL, axis=0).astype(self.dtype)
+        layout = None if self.doc_start is None else document_layout(ids_BxL, self.doc_start)
         block_cls = nn.remat(Block, prevent_cse=True) if self.remat else Block
         for i in range(self.shape.n_layers):
-            x_BxLxD = block_cls(self.shape, self.dtype, name=f"block_{i}")(x_BxLxD)
+            x_BxLxD = block_cls(self.shape, self.dtype, name=f"block_{i}")(x_BxLxD, layout)
         x_BxLxD = RMSNorm(self.shape.norm_eps, name="final_norm")(x_BxLxD)
         head_VxD = head_weights(self, embed_VxD).astype(self.dtype)
         return jnp.einsum("bld,vd->blv", x_BxLxD, head_VxD, preferred_element_type=jnp.float32)

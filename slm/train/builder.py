@@ -47,12 +47,14 @@ class StepSpec:
     grad_clip: float = 1.0
     sharding: str = "dp"
     seed: int = 0
+    doc_start: int | None = None  # document masking: the token packed documents begin at
 
     @classmethod
-    def from_config(cls, c: Any, shape: ModelShape) -> StepSpec:
+    def from_config(cls, c: Any, shape: ModelShape, doc_start: int | None = None) -> StepSpec:
         """The spec of a slm.train.config.Config (or a run's config.json as a namespace)."""
         return cls(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, c.use_mixed_precision,
-                   c.gradient_checkpointing, c.use_8bit_optimizer, c.weight_decay, c.grad_clip, c.sharding, c.seed)
+                   c.gradient_checkpointing, c.use_8bit_optimizer, c.weight_decay, c.grad_clip, c.sharding, c.seed,
+                   doc_start)
 
 
 @dataclass
@@ -70,7 +72,8 @@ class Built:
 
 def model_and_optimizer(spec: StepSpec) -> tuple[Transformer, optax.GradientTransformation, TrainState]:
     """The Flax model, the optax transformation and the state's shapes (jax.eval_shape: nothing allocated)."""
-    model = Transformer(spec.shape, dtype=jnp.bfloat16 if spec.mixed_precision else jnp.float32, remat=spec.remat)
+    model = Transformer(spec.shape, dtype=jnp.bfloat16 if spec.mixed_precision else jnp.float32, remat=spec.remat,
+                        doc_start=spec.doc_start)
     tx = make_optimizer(spec.weight_decay, spec.grad_clip, spec.accumulation, use_8bit=spec.use_8bit)
     return model, tx, jax.eval_shape(lambda: fresh_state(init_params(model, spec.seed, spec.seq_len), tx))
 

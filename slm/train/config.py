@@ -68,6 +68,7 @@ class Config:
     d_model: int | None = setting(None, "Override: model width", IDENTITY)
     n_heads: int | None = setting(None, "Override: attention heads", IDENTITY)
     seq_len: int = setting(128, "Tokens per training sequence", IDENTITY, "tokens")
+    document_mask: bool = setting(False, "Packed documents attend only within themselves, positions restarting at each (needs a tokenizer with an end-of-text or bos token)", IDENTITY)
     stride: int | None = setting(None, "Tokens between sequence starts (default --seq-len: no overlap, nothing lost)", IDENTITY, "tokens")
     # optimisation
     batch_size: int = setting(32, "Sequences per micro-batch", IDENTITY, "sequences")

@@ -222,6 +222,16 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
     return TrainData(source, tokenizer, special, tok_s, eval_set, len(heldout), shape, data_mb, rows, init_params)
 
 
+def doc_start(c: Config, data: TrainData) -> int | None:
+    """--document-mask: the token each packed document begins at (its bos, else the end-of-text before it)."""
+    if not c.document_mask:
+        return None
+    if not data.special.start:
+        raise ConfigError("--document-mask: the tokenizer has no end-of-text or bos token to find documents by; "
+                          "use a tokenizer with one, or leave --document-mask off")
+    return data.special.start[0]
+
+
 def pretrained(c: Config, log: Log) -> tuple[Any, dict | None]:
     """--init-from: (shape, weights) of the folder (a hub id is downloaded, its commit pinned in
     --init-revision); its tokenizer.json becomes --tokenizer. On --resume only the shape is read."""
@@ -231,6 +241,7 @@ def pretrained(c: Config, log: Log) -> tuple[Any, dict | None]:
     if not c.tokenizer:
         c.tokenizer = os.path.join(folder, "tokenizer.json")
     t = time.time()
+    configure_cpu_devices(c.cpu_devices)  # jax's backend starts below, not in plan_step as usual
     import jax  # the weights go to the device as each layer is read: never all of them twice on the host
 
     shape, params, _ = load_hf_folder(folder, weights=not c.resume, place=jax.device_put)
@@ -286,7 +297,8 @@ def plan_step(c: Config, data: TrainData, procs: Processes, log: Log) -> tuple[A
     for i, choice in enumerate(choices[:4]):  # XLA has the last word: compile and check the best few
         for k in FIT_KEYS:
             setattr(c, k, choice.get(k, getattr(c, k)))
-        built = build(StepSpec.from_config(c, data.shape), training_mesh(c.batch_size, bool(c.cpu_devices)))
+        built = build(StepSpec.from_config(c, data.shape, doc_start(c, data)),
+                      training_mesh(c.batch_size, bool(c.cpu_devices)))
         compiled, plan = memory_plan(c, built, data, budget * 0.9 if c.auto_fit and budget else budget)
         refusal = next((r for r in procs.gather(plan.refusal) if r), None)  # one host's refusal is everyone's
         if refusal is None:

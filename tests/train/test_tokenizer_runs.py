@@ -1,5 +1,6 @@
 """A run with a tokenizer people bring (issue 14): the seed's plain BPE with no special tokens packs with no
-separator and says so; a Llama-style tokenizer packs <s> doc </s>. Each trains, evaluates, samples, and its
+separator and says so (and refuses --document-mask); a Llama-style tokenizer packs <s> doc </s> (and trains
+with --document-mask). Each trains, evaluates, samples, and its
 run dir generates and exports with the same special tokens."""
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ def test_run_generate_and_export_with_a_brought_tokenizer(kind, tmp_path, data_d
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
     out = tmp_path / "run"
-    code = main(["--use-streaming", "--dataset-id", str(data_dir / "tinyshakespeare_train.txt"), "--tokenizer",
-                 str(path), "--target-params", "100000", "--seq-len", "32", "--batch-size", "4", "--eval-tokens",
-                 "512", "--max-steps", "2", "--eval-every", "2", "--output-dir", str(out)])
+    argv = ["--use-streaming", "--dataset-id", str(data_dir / "tinyshakespeare_train.txt"), "--tokenizer",
+            str(path), "--target-params", "100000", "--seq-len", "32", "--batch-size", "4", "--eval-tokens",
+            "512", "--max-steps", "2", "--eval-every", "2"]
+    if kind == "plain-bpe":  # no separator to find documents by: --document-mask is refused in one line
+        assert main(argv + ["--document-mask", "--output-dir", str(tmp_path / "masked")]) == 2
+        assert "--document-mask: the tokenizer has no end-of-text or bos token" in capsys.readouterr().err
+    code = main(argv + ["--output-dir", str(out)] + (["--document-mask"] if kind == "llama-style" else []))
     log = capsys.readouterr().out
     assert code == 0
     said = [line for line in log.splitlines() if line.startswith("[tokenizer]")]
@@ -36,6 +41,7 @@ def test_run_generate_and_export_with_a_brought_tokenizer(kind, tmp_path, data_d
     else:
         assert said == ["[tokenizer] documents packed as bos '<s>'…eos '</s>' (by name)"]
         assert saved == {"eos_token": "</s>", "bos_token": "<s>"}
+        assert json.loads((out / "config.json").read_text())["document_mask"] is True  # documents start at <s>
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["eval_loss"] > 0
     assert (out / "samples.txt").read_text().startswith("=== step 2\n")
