@@ -201,3 +201,19 @@ def optimizer_state_bytes(shape: ModelShape, use_8bit: bool = False, accumulatio
     if accumulation > 1:  # MultiSteps: acc_grads, mini_step, gradient_step, skip state
         total += 4 * count_params(shape) + 4 + 4
     return total + scalars
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[str] = ("q_proj", "v_proj")) -> int:
+    """Trainable parameters of rank-`rank` LoRA adapters on the named projections (Hugging Face module
+    names) of every layer: r * (in + out) per adapted matrix, as PEFT counts them."""
+    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    if unknown:
+        raise SizingError(f"--lora-targets {','.join(unknown)}: not a projection of this model; choose from "
+                          f"{','.join(LORA_TARGETS)}")
+    D, F, q, kv = shape.d_model, shape.d_ff, shape.n_heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    dims = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D), "gate_proj": (D, F),
+            "up_proj": (D, F), "down_proj": (F, D)}
+    return shape.n_layers * sum(rank * sum(dims[t]) for t in set(targets))

@@ -67,3 +67,22 @@ def test_flops_per_token_is_6n_plus_attention():
     s = ModelShape(1024, 4, 128, 4, 352)
     assert flops_per_token(s, 64) == 6 * count_params(s) + 12 * 4 * 128 * 64
     assert math.isclose(flops_per_token(s, 1) / (6 * count_params(s)), 1, rel_tol=0.01)
+
+
+def test_lora_trainable_params_of_the_seed_mistral_run():
+    """Seed 002: LoRA r=16 on q_proj and v_proj of Mistral-7B-v0.1 trains 6,815,744 parameters (0.094%)."""
+    import json
+
+    from helpers import ROOT
+
+    from slm.io.hf_import import shape_from_hf_config
+    from slm.model.sizing import lora_params
+
+    cfg = json.loads((ROOT.parent / "shared" / "models" / "mistral-7b-v0.1" / "config.json").read_text())
+    shape = shape_from_hf_config(cfg)
+    assert count_params(shape) == 7_241_732_096  # Mistral-7B-v0.1's published count
+    assert lora_params(shape, 16, ["q_proj", "v_proj"]) == 6_815_744
+    assert f"{lora_params(shape, 16, ['q_proj', 'v_proj']) / count_params(shape):.3%}" == "0.094%"
+    assert lora_params(shape, 16, ["q_proj", "k_proj", "v_proj", "o_proj"]) == 13_631_488
+    with pytest.raises(SizingError, match="--lora-targets qkv"):
+        lora_params(shape, 16, ["qkv"])
