@@ -233,8 +233,9 @@ def doc_start(c: Config, data: TrainData) -> int | None:
 
 
 def pretrained(c: Config, log: Log) -> tuple[Any, dict | None]:
-    """--init-from: (shape, weights) of the folder (a hub id is downloaded, its commit pinned in
-    --init-revision); its tokenizer.json becomes --tokenizer. On --resume only the shape is read."""
+    """--init-from: (shape, weights) of a Hugging Face folder (a hub id is downloaded, its commit pinned in
+    --init-revision) or of one of this trainer's runs (its newest checkpoint); its tokenizer.json becomes
+    --tokenizer. On --resume only the shape is read."""
     from slm.io.hf_import import load_hf_folder, resolve_pretrained
 
     folder, c.init_revision = resolve_pretrained(c.init_from, c.init_revision, log)
@@ -244,10 +245,18 @@ def pretrained(c: Config, log: Log) -> tuple[Any, dict | None]:
     configure_cpu_devices(c.cpu_devices)  # jax's backend starts below, not in plan_step as usual
     import jax  # the weights go to the device as each layer is read: never all of them twice on the host
 
-    shape, params, _ = load_hf_folder(folder, weights=not c.resume, place=jax.device_put)
+    if os.path.isdir(os.path.join(folder, "checkpoints")):  # a run of this trainer
+        from slm.train.builder import load_run
+
+        run = load_run(folder)  # restored on one device: handed on as host arrays, laid out by the builder
+        params = None if c.resume else jax.tree.map(np.asarray, run.params)
+        shape, what = run.shape, f"step {run.step} of the run"
+    else:
+        shape, params, _ = load_hf_folder(folder, weights=not c.resume, place=jax.device_put)
+        what = "safetensors"
     if params is not None:
         log(f"[init] {c.init_from}: {sum(x.size for x in _leaves(params)) / 1e6:.1f}M parameters loaded from "
-            f"safetensors in {time.time() - t:.1f}s")
+            f"{what} in {time.time() - t:.1f}s")
     return shape, params
 
 

@@ -351,7 +351,8 @@ def summarize(c: Config, run: RunState, data: TrainData, facts: RunFacts, plan: 
     memory = env.monitor.snapshot()
     summary = {
         "eval_loss": ev["eval_loss"], "eval_ppl": ev["eval_ppl"], "eval_bpb": ev["eval_bpb"],
-        "params": facts.params, "steps": run.step, "tokens": run.tokens, "epochs_started": run.epoch + 1,
+        "params": facts.params, "trainable_params": facts.params,  # all of them: full training or fine-tuning
+        "steps": run.step, "tokens": run.tokens, "epochs_started": run.epoch + 1,
         "wall_time_s": env.clock() - env.start, "train_time_s": t.train_s,
         "compile_time_s": (t.compile_s or 0.0) + plan.compile_s, "first_batch_time_s": t.first_batch_s,
         "eval_time_s": t.eval_s, "tokenizer_time_s": data.tokenizer_s,

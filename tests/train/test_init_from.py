@@ -1,6 +1,7 @@
 """--init-from (issue 15, first part): a pretrained Qwen2-style folder (GQA, q/k/v biases, tied head) with its
 tokenizer becomes a run with --max-steps 0 (step-0 checkpoint, eval, summary) whose greedy continuation is
-transformers' own; fine-tuning it for a few steps trains from those weights and resumes exactly."""
+transformers' own; fine-tuning it for a few steps trains from those weights and resumes; that run is itself a
+starting point for --init-from."""
 
 from __future__ import annotations
 
@@ -50,7 +51,15 @@ def test_init_from_a_folder_evaluates_generates_and_fine_tunes(tmp_path, data_di
     config = json.loads((tuned / "config.json").read_text())
     assert config["init_from"] == str(folder) and config["tokenizer"] == str(folder / "tokenizer.json")
     assert main(["--resume", str(tuned), "--max-steps", "6"]) == 0  # the shape comes from the folder again
-    assert json.loads((tuned / "summary.json").read_text())["steps"] == 6
+    final = json.loads((tuned / "summary.json").read_text())
+    assert final["steps"] == 6 and final["trainable_params"] == final["params"]
+
+    # A run of this trainer is a starting point too: its newest checkpoint, evaluated on the same data.
+    again = tmp_path / "again"
+    assert main(common[:1] + ["--init-from", str(tuned)] + common[3:] + ["--max-steps", "0", "--output-dir",
+                                                                        str(again)]) == 0
+    assert "parameters loaded from step 6 of the run" in capsys.readouterr().out
+    assert json.loads((again / "summary.json").read_text())["eval_loss"] == pytest.approx(final["eval_loss"], abs=1e-6)
 
 
 def test_init_from_bad_input_is_one_line(tmp_path, capsys):
