@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from slm.data.sources import TextSource
-from slm.data.stream import Batch, StreamingDataLoader, _prefetched
+from slm.data.stream import Batch, StreamingDataLoader, _prefetched, tracked
 from slm.errors import DatasetError
 
 _log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class MixtureLoader:
         self.epoch = epoch
         gen = self._batches(start)
         pairs = _prefetched(gen, self.prefetch) if self.prefetch > 0 else gen
-        return self._tracked(pairs)
+        return tracked(self, pairs)
 
     def state_json(self) -> dict | None:
         if self.state is None:
@@ -132,14 +132,6 @@ class MixtureLoader:
         prev = self.state
         sources = [{**s, "active": True, "ran_out": False} for s in prev["sources"]]
         return {"epoch": epoch, "rng": prev["rng"], "sources": sources}
-
-    def _tracked(self, pairs: Iterator[tuple[Batch, dict]]) -> Iterator[Batch]:
-        try:
-            for batch, state in pairs:
-                self.state = state
-                yield batch
-        finally:
-            pairs.close()
 
     def _batches(self, start: dict) -> Iterator[tuple[Batch, dict]]:
         st = {**start, "sources": [dict(s) for s in start["sources"]]}

@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -113,7 +114,7 @@ class StreamingDataLoader:
         self.epoch = epoch
         self._resume = state
         gen = self._batches(epoch)
-        return self._tracked(_prefetched(gen, self.prefetch) if self.prefetch > 0 else gen)
+        return tracked(self, _prefetched(gen, self.prefetch) if self.prefetch > 0 else gen)
 
     def state_json(self) -> dict | None:
         """`state` as plain JSON types (what a checkpoint stores); iter_epoch accepts it back."""
@@ -124,14 +125,6 @@ class StreamingDataLoader:
         return self.batch_size * self.seq_len
 
     # -- pipeline -------------------------------------------------------------------------------
-
-    def _tracked(self, pairs: Iterator[tuple[Batch, dict]]) -> Iterator[Batch]:
-        try:
-            for batch, state in pairs:
-                self.state = state
-                yield batch
-        finally:
-            pairs.close()
 
     def _documents(self, epoch: int) -> Iterator[str]:
         shuffle = self.shuffle_buffer_size > 1
@@ -217,6 +210,17 @@ class StreamingDataLoader:
         if not yielded:
             raise DatasetError(f"{self.source.name}: dataset is smaller than one batch ({self.tokens_read} tokens, "
                                f"need {(B - 1) * stride + L + 1}); use a smaller --batch-size or --seq-len, or more data")
+
+
+def tracked(owner: Any, pairs: Iterator[tuple[Batch, dict]]) -> Iterator[Batch]:
+    """The batches of (batch, state) pairs; `owner.state` becomes each batch's state as it is handed out (not
+    when a prefetch thread made it), so it is always the position just after what the consumer has."""
+    try:
+        for batch, state in pairs:
+            owner.state = state
+            yield batch
+    finally:
+        pairs.close()
 
 
 def _prefetched(gen: Iterator[Batch], depth: int) -> Iterator[Batch]:
