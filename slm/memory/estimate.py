@@ -12,11 +12,21 @@ MLP width, heads, vocab; see slm/model/sizing.py):
     accumulation  4N  when accumulating   optax.MultiSteps' float32 gradient sum
     activations   Bd*S*L*(a*D + b*F + c*H*S)   what the backward pass keeps, incl. attention scores
     logits        Bd*S*V*e                     logits, softmax and their gradient
-    device total  the sum: the compiled step's peak (arguments + outputs + temporaries - donated)
+    update        u*4N                         the optimizer update's temporaries (see UPDATE_TEMPS)
+    device total  params + gradients + optimizer + accumulation + max(activations + logits, update)
 
-With FSDP over n devices (`fsdp=True`) params, optimizer state and accumulation are divided by n, and
-`gathered` (4N) is added: XLA:CPU all-gathers the full weights for the step, and the gradients stay
-full-size before their reduce-scatter (bench/sharding.py: 10M params on 8 devices, 237 MB/device
+The backward pass and the optimizer update do not overlap: the activations are freed before the update
+runs, so the step's peak is the larger of the two phases, not their sum. The update phase matters when
+the micro-batch is small next to the model (50M params at micro-batch 1: XLA 1,187 MB/device where the
+sum without it said 776): the 8-bit update dequantizes m and v to float32 (u = 2.35; 2.8 with
+MultiSteps), float32 AdamW needs one parameter-sized temporary (u = 1; 3 with MultiSteps, whose
+conditional update keeps the new accumulator, the mean and the update at once). u was read from XLA's
+memory analysis at 1M and 3M params (micro-batch 1, seq 64: within 0.05 of these at both sizes) and
+matches 20M and 50M (u*4N within 3% of XLA's update phase).
+
+With FSDP over n devices (`fsdp=True`) params, optimizer state, accumulation and the update are divided
+by n, and `gathered` (4N) is added: XLA:CPU all-gathers the full weights for the step, and the gradients
+stay full-size before their reduce-scatter (bench/sharding.py: 10M params on 8 devices, 237 MB/device
 compiled vs 259 predicted, +9%; DP 300 vs 321, +7%).
 
 The coefficients a, b, c, e (bytes) are fitted to XLA's memory analysis of this trainer's compiled step
@@ -26,9 +36,26 @@ XLA's CPU scheduler keeps most activations live even with remat, so gradient che
 5-12% on CPU. Other backends and versions differ; the trainer's pre-flight compiles the real step and
 reads XLA's own figure, and bench/memory_accuracy.py measures these formulas against it.
 
-Host RSS = framework (the Python + JAX/XLA runtime, compiled programs; measured) + data pipeline
-(estimate_memory_usage's data side) + on CPU, every host device's total (device memory *is*
-host memory there; parameters and state are replicated on each).
+Host RSS (`host_breakdown`; MB) is the whole run's peak, not one step's:
+
+    runtime       RUNTIME_MB + COMPILE_MB_PER_LAYER * L, + COMPILE_8BIT_MB + COMPILE_8BIT_MB_PER_M * N/1e6
+                  with 8-bit state: Python, JAX/XLA, the tokenizer, and what compiling the step leaves in
+                  the heap (glibc keeps the compiler's freed memory; the 8-bit step compiles to a much
+                  larger program: +450 MB at 20M)
+    data          the data pipeline (estimate_memory_usage's data side)
+    devices       on CPU, every host device's total (device memory *is* host memory there)
+    step slack    STEP_SLACK_MB: the state's init program, the loader thread, the host's copy of a batch
+    checkpoint    SAVE_STAGING_MB + k * state (params + optimizer state + accumulator, one replica;
+                  k = SAVE_STAGING_PER_BYTE): saves are asynchronous, so the step after a save runs while
+                  orbax still holds its host copy of the state and tensorstore its write buffers
+
+The runtime and checkpoint terms are fitted to peak RSS of trainer runs on this machine (2026-11,
+jax 0.10.2, glibc malloc, tinystories, eval and checkpoint every step; docs/memory.md has the table).
+Before these two terms the estimate was framework 560 + data + devices, which missed the compile's
+leftovers (8-bit state: 20M at micro-batch 8 x 2, predicted 1,544, measured 1,905-2,317 MB) and the
+save staging (+170 to +1,340 MB on the step after a save). The pre-flight (slm/memory/preflight.py)
+replaces the runtime term by the RSS it measures right after the compile, and the device term by XLA's
+figure.
 """
 
 from __future__ import annotations
@@ -71,7 +98,22 @@ COEFFICIENTS = {
     (True, False, True): ActivationCoefficients(10.94, 22.37, 8.29, 12.49),
     (True, True, True): ActivationCoefficients(49.57, 10.24, 7.60, 8.52),
 }
-FRAMEWORK_MB = 560.0  # RSS of the trainer's process before its first step's buffers (measured here)
+
+# Update-phase temporaries in units of 4N, keyed (8-bit state, accumulating); see the module docstring.
+UPDATE_TEMPS = {(False, False): 1.0, (False, True): 3.0, (True, False): 2.35, (True, True): 2.8}
+
+# Host RSS terms (MB), fitted to trainer runs on XLA:CPU (module docstring). Post-compile RSS measured
+# (fresh compile cache): float32 7/12/15 layers 526-587/640/657, 8-bit 12/15 layers 871-1,092/1,346-1,371.
+RUNTIME_MB = 540.0
+COMPILE_MB_PER_LAYER = 8.0
+COMPILE_8BIT_MB = 150.0
+COMPILE_8BIT_MB_PER_M = 12.0
+# Step slack and checkpoint staging: fitted together over 30 runs (7 calibration runs + 23 of
+# bench/autofit_sweep.py), the pre-flight's error -4.1% .. +7.2%. What the step after a save added,
+# over the state it copies: 1.6-1.8x (float32), 0.9-1.6x (8-bit), +170-200 MB at 5M.
+STEP_SLACK_MB = 75.0  # first step's peak - (post-compile RSS + devices x XLA's figure): 56-102 MB in 8 runs
+SAVE_STAGING_MB = 50.0
+SAVE_STAGING_PER_BYTE = {False: 1.5, True: 1.2}  # keyed by 8-bit state
 
 
 def device_breakdown(
@@ -86,7 +128,11 @@ def device_breakdown(
     devices: int = 1,
     fsdp: bool = False,
 ) -> dict[str, int]:
-    """Bytes per device for one replica of the train step (micro_batch = sequences on this device)."""
+    """Bytes per device for one replica of the train step (micro_batch = sequences on this device).
+
+    "total" is the step's peak: the state and gradients plus the larger of the backward pass
+    (activations + logits) and the optimizer update ("update"); the other keys are its parts.
+    """
     n = count_params(shape)
     k = COEFFICIENTS[(bool(gradient_checkpointing), bool(mixed_precision), devices > 1)]
     L, D, F, H, V = shape.n_layers, shape.d_model, shape.d_ff, shape.n_heads, shape.vocab_size
@@ -99,12 +145,15 @@ def device_breakdown(
         "accumulation": accumulation,
         "activations": int(tokens * L * (k.a * D + k.b * F + k.c * H * seq_len)),
         "logits": int(tokens * V * k.e),
+        "update": int(UPDATE_TEMPS[(bool(use_8bit_optimizer), gradient_accumulation_steps > 1)] * 4 * n),
     }
     if fsdp and devices > 1:
-        for key in ("params", "optimizer_state", "accumulation"):
+        for key in ("params", "optimizer_state", "accumulation", "update"):
             out[key] //= devices
         out["gathered_params"] = 4 * n
-    out["total"] = sum(out.values())
+    phases = ("activations", "logits", "update")
+    out["total"] = (sum(v for k, v in out.items() if k not in phases)
+                    + max(out["activations"] + out["logits"], out["update"]))
     return out
 
 
@@ -123,10 +172,45 @@ class MemoryEstimate(dict):
         return f"<table><tr><th>item</th><th>value</th></tr>{body}</table>"
 
 
-def host_rss_mb(device_total_bytes: int, devices: int, platform: str, data_mb: float) -> float:
-    """Predicted peak RSS: framework + data pipeline + (on CPU) every host device's buffers."""
-    on_host = devices * device_total_bytes / MB if platform == "cpu" else 0.0
-    return FRAMEWORK_MB + data_mb + on_host
+def state_mb(dev: dict[str, int], devices: int) -> float:
+    """The train state's host bytes in MB, one replica (params + optimizer state + accumulator): what a
+    checkpoint save copies. Under FSDP each device holds 1/devices of it, so the host holds all of it."""
+    per_device = dev["params"] + dev["optimizer_state"] + dev["accumulation"]
+    return per_device * (devices if "gathered_params" in dev else 1) / MB
+
+
+def checkpoint_staging_mb(state: float, use_8bit_optimizer: bool) -> float:
+    """What the step after an asynchronous save holds on top of itself: orbax's copy of the state and
+    tensorstore's buffers, freed into glibc's arenas and not reused by the step's threads."""
+    return SAVE_STAGING_MB + SAVE_STAGING_PER_BYTE[bool(use_8bit_optimizer)] * state
+
+
+def runtime_mb(shape: ModelShape, use_8bit_optimizer: bool) -> float:
+    """RSS right after the step is compiled, before any state: the runtime and the compiler's leftovers."""
+    mb = RUNTIME_MB + COMPILE_MB_PER_LAYER * shape.n_layers
+    if use_8bit_optimizer:
+        mb += COMPILE_8BIT_MB + COMPILE_8BIT_MB_PER_M * count_params(shape) / 1e6
+    return mb
+
+
+def host_breakdown(
+    shape: ModelShape,
+    dev: dict[str, int],
+    devices: int,
+    platform: str,
+    data_mb: float,
+    use_8bit_optimizer: bool = False,
+) -> dict[str, float]:
+    """Predicted whole-run peak RSS in MB and its parts (module docstring); `dev` is device_breakdown's."""
+    out = {
+        "runtime": runtime_mb(shape, use_8bit_optimizer),
+        "data": data_mb,
+        "devices": devices * dev["total"] / MB if platform == "cpu" else 0.0,
+        "step_slack": STEP_SLACK_MB,
+        "checkpoint_staging": checkpoint_staging_mb(state_mb(dev, devices), use_8bit_optimizer),
+    }
+    out["total"] = sum(out.values())
+    return out
 
 
 def fit_candidates(
@@ -162,7 +246,8 @@ def fit_candidates(
                     dev = device_breakdown(shape, seq_len, micro // devices, mixed_precision=mixed,
                                            gradient_checkpointing=remat, use_8bit_optimizer=eight,
                                            gradient_accumulation_steps=effective // micro, devices=devices)
-                    peak = host_rss_mb(dev["total"], devices, platform, data_mb) * MB if platform == "cpu" else dev["total"]
+                    host = host_breakdown(shape, dev, devices, platform, data_mb, eight)["total"] * MB
+                    peak = host if platform == "cpu" else dev["total"]
                     if peak > (1 - margin) * budget_bytes:
                         continue
                     cost = (0.1 * math.log2(effective / micro) + 0.3 * remat + 0.01 * eight
@@ -207,10 +292,12 @@ def estimate_memory_usage(
 
     With `target_params` (shape from model_sizing.choose_shape, vocab from `vocab_size` or the default for
     that size) or an explicit model_sizing.ModelShape `shape`, also the device breakdown per device
-    (params, gradients, optimizer state, accumulation buffer, activations, logits; formulas in
-    memory_estimate.py), `device_total_mb` and `host_rss_mb` = framework + data pipeline (streaming or
-    full load) + on CPU the device totals of all `devices` host devices. `batch_size` is the global
-    micro-batch, split over `devices`; `sharding="fsdp"` splits the train state over them too. The result is a dict that prints as a table (also in notebooks).
+    (params, gradients, optimizer state, accumulation buffer, activations, logits, update; formulas in
+    this module's docstring), `device_total_mb`, and the whole run's peak `host_rss_mb` = framework
+    (runtime + compile leftovers) + data pipeline (streaming or full load) + on CPU the device totals of
+    all `devices` host devices + step slack + checkpoint staging (`host_breakdown`). `batch_size` is the
+    global micro-batch, split over `devices`; `sharding="fsdp"` splits the train state over them too.
+    The result is a dict that prints as a table (also in notebooks).
     """
     mb = 1 / MB
     row_bytes = seq_len * 2 * 4
@@ -242,9 +329,12 @@ def estimate_memory_usage(
     for k, v in dev.items():
         out[f"{k}_mb" if k != "total" else "device_total_mb"] = round(v * mb, 3)
     data_mb = streaming_mb if streaming else full
+    host = host_breakdown(shape, dev, devices, platform, data_mb, use_8bit_optimizer)
     out["data_pipeline_mb"] = round(data_mb, 3)
-    out["framework_mb"] = FRAMEWORK_MB
-    out["host_rss_mb"] = round(host_rss_mb(dev["total"], devices, platform, data_mb), 3)
+    out["framework_mb"] = round(host["runtime"], 3)
+    out["step_slack_mb"] = host["step_slack"]
+    out["checkpoint_staging_mb"] = round(host["checkpoint_staging"], 3)
+    out["host_rss_mb"] = round(host["total"], 3)
     return out
 
 

@@ -2,13 +2,20 @@
 and decide whether the run fits the machine and --memory-budget. Pure Python: the trainer compiles the
 step (slm.train.builder.compile_step) and hands the figures in, then runs that same executable, so
 pre-flight costs no extra compile.
+
+The predicted whole-run peak RSS is measured where it can be: the plan is made right after the compile,
+so the process's RSS then (`base_rss_mb`) already holds the runtime, the tokenizer, the eval set and what
+the compile left in the heap, whether the step was compiled or loaded from the compile cache (a cached
+20M step: 486 MB; compiled: 640). On top of it: the data pipeline, on CPU every local device's compiled
+step (XLA's figure), the step slack and the checkpoint staging (slm/memory/estimate.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from slm.memory.estimate import FRAMEWORK_MB, MemoryEstimate
+from slm.memory.estimate import STEP_SLACK_MB, MemoryEstimate
+from slm.memory.host import rss_mb
 
 
 @dataclass
@@ -24,16 +31,26 @@ class MemoryPlan:
     data_mb: float  # the data pipeline's host memory
     limit_mb: float | None  # what the machine has (host RSS room on CPU, device bytes_limit elsewhere)
     budget_mb: float | None  # --memory-budget (x 0.9 under --auto-fit)
+    base_rss_mb: float = field(default_factory=rss_mb)  # this process's RSS when the plan is made (after the compile)
 
     @property
     def estimated_device_mb(self) -> float:
         return self.estimate["device_total_mb"]
 
     @property
+    def devices_mb(self) -> float:
+        """On CPU this host's devices' compiled steps (device memory *is* host memory there); else 0."""
+        return self.local_devices * self.compiled_device_mb if self.platform == "cpu" else 0.0
+
+    @property
+    def staging_mb(self) -> float:
+        """The checkpoint save's host copy of the state that the next step runs beside (the estimate's)."""
+        return self.estimate["checkpoint_staging_mb"]
+
+    @property
     def estimated_peak_rss_mb(self) -> float:
-        """Framework + data pipeline + on CPU this host's devices (device memory *is* host memory there)."""
-        on_host = self.local_devices * self.compiled_device_mb if self.platform == "cpu" else 0.0
-        return FRAMEWORK_MB + self.data_mb + on_host
+        """The whole run's peak RSS: measured base + data pipeline + devices + step slack + checkpoint staging."""
+        return self.base_rss_mb + self.data_mb + self.devices_mb + STEP_SLACK_MB + self.staging_mb
 
     @property
     def what(self) -> str:
@@ -61,20 +78,23 @@ class MemoryPlan:
         """The predictions kept in config.json and summary.json (every run checks the estimate)."""
         return {"estimated_peak_rss_mb": round(self.estimated_peak_rss_mb, 1),
                 "estimated_device_mb": round(self.estimated_device_mb, 1),
-                "compiled_device_mb": round(self.compiled_device_mb, 1)}
+                "compiled_device_mb": round(self.compiled_device_mb, 1),
+                "base_rss_mb": round(self.base_rss_mb, 1),
+                "formula_peak_rss_mb": round(self.estimate["host_rss_mb"], 1)}
 
     def describe(self) -> list[str]:
         """The plan as log lines: the breakdown, XLA's figure, the predicted peaks."""
         e = self.estimate
         parts = ", ".join(f"{k[:-3].replace('_', ' ')} {e[k]:,.1f}" for k in
                           ("params_mb", "gradients_mb", "optimizer_state_mb", "accumulation_mb", "activations_mb",
-                           "logits_mb"))
+                           "logits_mb", "update_mb"))
         cpu = self.platform == "cpu"
         return [f"[memory] per device (MB, estimate): {parts}; total {e['device_total_mb']:,.1f} "
                 f"| XLA's compiled step: {self.compiled_device_mb:,.1f} MB/device x {self.devices} "
                 f"(compiled in {self.compile_s:.1f}s)",
-                f"[memory] predicted peak host RSS {self.estimated_peak_rss_mb:,.0f} MB (framework {FRAMEWORK_MB:,.0f} "
+                f"[memory] predicted peak host RSS {self.estimated_peak_rss_mb:,.0f} MB (now {self.base_rss_mb:,.0f} "
                 f"+ data {self.data_mb:,.1f}"
-                + (f" + devices {self.devices * self.compiled_device_mb:,.0f}" if cpu else "")
-                + ")" + (f"; device memory {self.compiled_device_mb:,.0f} MB" if not cpu else "")
+                + (f" + devices {self.devices_mb:,.0f}" if cpu else "")
+                + f" + step {STEP_SLACK_MB:,.0f} + checkpoint staging {self.staging_mb:,.0f})"
+                + (f"; device memory {self.compiled_device_mb:,.0f} MB" if not cpu else "")
                 + (f"; available {self.limit_mb:,.0f} MB" if self.limit_mb else "")]

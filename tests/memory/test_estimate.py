@@ -10,11 +10,15 @@ from helpers import ROOT
 
 from slm.memory.estimate import (
     MB,
+    STEP_SLACK_MB,
     MemoryEstimate,
     device_breakdown,
     estimate_memory_usage,
+    fit_candidates,
+    host_breakdown,
     parse_size,
 )
+from slm.memory.preflight import MemoryPlan
 from slm.model.sizing import choose_shape, count_params
 from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
@@ -35,8 +39,10 @@ def test_whole_run_breakdown_arithmetic():
     assert e["params_mb"] == round(4 * n / MB, 3) and e["gradients_mb"] == e["params_mb"]
     assert abs(e["optimizer_state_mb"] - 8 * n / MB) < 0.01 and e["accumulation_mb"] == 0
     parts = ("params_mb", "gradients_mb", "optimizer_state_mb", "accumulation_mb", "activations_mb", "logits_mb")
+    assert e["update_mb"] < e["activations_mb"]  # batch 32: the backward pass is the step's peak, not the update
     assert abs(e["device_total_mb"] - sum(e[k] for k in parts)) < 0.01
-    assert abs(e["host_rss_mb"] - (e["framework_mb"] + e["streaming_mb"] + e["device_total_mb"])) < 0.01
+    host = ("framework_mb", "streaming_mb", "device_total_mb", "step_slack_mb", "checkpoint_staging_mb")
+    assert abs(e["host_rss_mb"] - sum(e[k] for k in host)) < 0.01
     q = estimate_memory_usage(1000, 128, 32, target_params=1_000_000, use_8bit_optimizer=True, gradient_accumulation_steps=4)
     assert 2.0 * n / MB < q["optimizer_state_mb"] < 2.1 * n / MB and abs(q["accumulation_mb"] - 4 * n / MB) < 0.01
     # Activations and logits are per token: twice the batch, twice the memory; two devices halve each one's.
@@ -72,6 +78,8 @@ def test_estimate_imports_no_jax():
     (300_000, 16, 64, False, False, False, 1),
     (1_000_000, 32, 128, False, True, True, 2),
     (3_000_000, 8, 256, True, False, False, 1),
+    (1_000_000, 1, 64, False, False, True, 2),  # micro-batch 1: the 8-bit update's temporaries are the peak
+    (1_000_000, 1, 64, False, False, False, 2),  # and MultiSteps' float32 update
 ])
 def test_estimate_within_15_percent_of_xla_memory_analysis(target, batch, seq, remat, bf16, eight, acc):
     shape = choose_shape(target, 1024)
@@ -83,6 +91,74 @@ def test_estimate_within_15_percent_of_xla_memory_analysis(target, batch, seq, r
     est = device_breakdown(shape, seq, batch, mixed_precision=bf16, gradient_checkpointing=remat,
                            use_8bit_optimizer=eight, gradient_accumulation_steps=acc)["total"]
     assert abs(est / xla - 1) <= 0.15, (est / MB, xla / MB)
+
+
+def test_step_peak_is_the_larger_phase_backward_or_update():
+    shape = choose_shape(50_000_000, 8192)
+    n = count_params(shape)
+    small = device_breakdown(shape, 128, 1, use_8bit_optimizer=True, gradient_accumulation_steps=2)
+    state = sum(small[k] for k in ("params", "gradients", "optimizer_state", "accumulation"))
+    assert small["update"] == int(2.8 * 4 * n) > small["activations"] + small["logits"]
+    assert small["total"] == state + small["update"]  # XLA: 1,187 MB/device; without the update term 776
+    big = device_breakdown(shape, 512, 8, use_8bit_optimizer=True, gradient_accumulation_steps=2)
+    assert big["total"] == state + big["activations"] + big["logits"]
+    fsdp = device_breakdown(shape, 128, 1, gradient_accumulation_steps=2, devices=4, fsdp=True)
+    assert fsdp["update"] == int(3.0 * 4 * n) // 4 and fsdp["gathered_params"] == 4 * n
+
+
+def test_host_peak_counts_compile_leftovers_and_checkpoint_staging():
+    shape = choose_shape(20_000_000, 4096)
+    fp32 = device_breakdown(shape, 128, 4, gradient_accumulation_steps=2)
+    eight = device_breakdown(shape, 128, 4, use_8bit_optimizer=True, gradient_accumulation_steps=2)
+    h32 = host_breakdown(shape, fp32, 2, "cpu", 11.3)
+    h8 = host_breakdown(shape, eight, 2, "cpu", 11.3, use_8bit_optimizer=True)
+    assert h8["runtime"] > h32["runtime"] + 300  # the 8-bit step's much larger compile stays in the heap
+    state32 = (fp32["params"] + fp32["optimizer_state"] + fp32["accumulation"]) / MB
+    assert h32["checkpoint_staging"] > state32  # the save's copy of one replica, beside the next step
+    assert h32["devices"] == 2 * fp32["total"] / MB and h32["step_slack"] == STEP_SLACK_MB
+    assert h32["total"] == pytest.approx(sum(v for k, v in h32.items() if k != "total"))
+    gpu = host_breakdown(shape, fp32, 2, "gpu", 11.3)
+    assert gpu["devices"] == 0 and gpu["checkpoint_staging"] == h32["checkpoint_staging"]  # staged in host RAM
+    # The issue's run: 20M, seq 256, micro-batch 4 x 16, 8-bit, 2 devices peaked at 2,080 MB (2,054 earlier)
+    # with no save mid-run; the old formula said 1,677. The whole-run estimate must be above it.
+    issue = device_breakdown(shape, 256, 2, use_8bit_optimizer=True, gradient_accumulation_steps=16)
+    assert host_breakdown(shape, issue, 2, "cpu", 11.7, use_8bit_optimizer=True)["total"] > 2080
+
+
+def test_auto_fit_candidates_fit_the_whole_run_estimate():
+    shape = choose_shape(20_000_000, 4096)
+    budget = 2 * 2**30
+    for c in fit_candidates(shape, 256, 64, 1, budget, max_devices=2, platform="cpu", data_mb=11.7):
+        assert c["batch_size"] * c["gradient_accumulation_steps"] == 64
+        assert c["predicted_peak_mb"] <= 0.9 * budget / MB
+        micro = c["batch_size"]
+        devices = 2 if micro % 2 == 0 else 1
+        dev = device_breakdown(shape, 256, micro // devices, use_8bit_optimizer=c["use_8bit_optimizer"],
+                               mixed_precision=c["use_mixed_precision"],
+                               gradient_checkpointing=c["gradient_checkpointing"],
+                               gradient_accumulation_steps=c["gradient_accumulation_steps"], devices=devices)
+        host = host_breakdown(shape, dev, devices, "cpu", 11.7, c["use_8bit_optimizer"])["total"]
+        assert c["predicted_peak_mb"] == pytest.approx(host)
+
+
+def _plan(base_rss_mb=None, platform="cpu"):
+    est = estimate_memory_usage(0, 128, 32, target_params=1_000_000, devices=2, gradient_accumulation_steps=2)
+    kw = {} if base_rss_mb is None else {"base_rss_mb": base_rss_mb}
+    return MemoryPlan(est, 170.0, 2.0, platform, 2, 2, 11.3, 20_000.0, None, **kw)
+
+
+def test_preflight_peak_starts_from_the_rss_measured_after_the_compile():
+    plan = _plan(base_rss_mb=600.0)
+    staging = plan.estimate["checkpoint_staging_mb"]
+    assert plan.estimated_peak_rss_mb == pytest.approx(600 + 11.3 + 2 * 170 + STEP_SLACK_MB + staging)
+    assert plan.predicted_peak_mb == plan.estimated_peak_rss_mb and plan.refusal is None
+    rec = plan.record()
+    assert rec["base_rss_mb"] == 600.0 and rec["formula_peak_rss_mb"] == round(plan.estimate["host_rss_mb"], 1)
+    assert "now 600 + data 11.3 + devices 340" in plan.describe()[1]
+    assert _plan().base_rss_mb > 10  # measured by default: this process's RSS when the plan is made
+    gpu = _plan(base_rss_mb=600.0, platform="gpu")
+    assert gpu.estimated_peak_rss_mb == pytest.approx(600 + 11.3 + STEP_SLACK_MB + staging)
+    assert gpu.predicted_peak_mb == 170.0
 
 
 def test_estimate_memory_usage():
