@@ -119,8 +119,8 @@ class UrlFile(LocalFiles):
         self.paths = self.paths or [self.name]
         self.opener = functools.partial(open_url, policy=self.policy)
 
-    @property
-    def size_bytes(self) -> int | None:
+    @functools.cached_property
+    def size_bytes(self) -> int | None:  # one HEAD request, not one per use (each may be retried)
         size = RemoteFile(self.paths[0], self.policy).length()
         return size if size >= 0 else None
 

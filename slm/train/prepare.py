@@ -255,14 +255,9 @@ def pretrained(c: Config, log: Log) -> tuple[Any, dict | None]:
         shape, params, _ = load_hf_folder(folder, weights=not c.resume, place=jax.device_put)
         what = "safetensors"
     if params is not None:
-        log(f"[init] {c.init_from}: {sum(x.size for x in _leaves(params)) / 1e6:.1f}M parameters loaded from "
+        log(f"[init] {c.init_from}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M parameters loaded from "
             f"{what} in {time.time() - t:.1f}s")
     return shape, params
-
-
-def _leaves(tree: dict):
-    for v in tree.values():
-        yield from (_leaves(v) if isinstance(v, dict) else [v])
 
 
 FIT_KEYS = ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "use_mixed_precision",
