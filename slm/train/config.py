@@ -59,6 +59,15 @@ class Config:
     # start from a pretrained model
     init_from: str | None = setting(None, "A Hugging Face model folder or hub id (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; safetensors only) to start from: its shape, weights and tokenizer replace --target-params and the BPE", IDENTITY, unset="off")
     init_revision: str | None = setting(None, "With a hub --init-from: the commit to download (default: the newest, recorded here so a resume loads the same weights)", IDENTITY, unset="newest")
+    lora_rank: int | None = setting(None, "LoRA: train rank-R adapters on --lora-targets of a frozen --init-from base (no gradients or optimizer state for the base); off: full fine-tuning", IDENTITY, "rank", unset="off")
+    lora_alpha: float = setting(16.0, "LoRA scale numerator: adapters add (alpha / rank) * x A B", IDENTITY)
+    lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input during training", IDENTITY, "probability")
+    lora_targets: str = setting("q_proj,v_proj", "LoRA: comma-separated Hugging Face module names among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj", IDENTITY)
+    base_dtype: str = setting("float32", "With --lora-rank: the dtype the frozen base is held in (adapters always train in float32)", IDENTITY, choices=("float32", "bfloat16", "float16"))
+    # instruction data
+    prompt_column: str | None = setting(None, "Instruction data: the prompt column (with --response-column); the loss is taken on response tokens only", IDENTITY, unset="off")
+    response_column: str | None = setting(None, "Instruction data: the response column (with --prompt-column)", IDENTITY, unset="off")
+    chat_template: bool = setting(False, "Instruction data: format each example with the chat template of the tokenizer's tokenizer_config.json (user: prompt, assistant: response)", IDENTITY)
     # tokenizer
     tokenizer: str | None = setting(None, "Path to a tokenizer.json; otherwise a byte-level BPE is trained on the stream", IDENTITY)
     vocab_size: int | None = setting(None, "Vocabulary of the BPE to train (default: 512-8192 by --target-params)", IDENTITY, "tokens")
@@ -223,8 +232,31 @@ def validate(c: Config) -> None:
     if c.init_from and (c.vocab_size or c.n_layers or c.d_model or c.n_heads):
         raise ConfigError("--init-from: the shape and vocabulary come from the checkpoint; drop --vocab-size, "
                           "--n-layers, --d-model and --n-heads")
+    if c.lora_rank is not None and not c.init_from:
+        raise ConfigError(f"--lora-rank {c.lora_rank}: adapters train on a pretrained base; give --init-from")
+    if c.lora_rank is not None and c.lora_rank < 1:
+        raise ConfigError(f"--lora-rank {c.lora_rank}: must be a positive rank (e.g. 8 or 16)")
+    bad = sorted(set(lora_target_list(c.lora_targets)) - set(LORA_TARGETS))
+    if bad or not lora_target_list(c.lora_targets):
+        raise ConfigError(f"--lora-targets {c.lora_targets}: choose among {','.join(LORA_TARGETS)}")
+    if not 0 <= c.lora_dropout < 1:
+        raise ConfigError(f"--lora-dropout {c.lora_dropout}: must be in [0, 1)")
+    if c.base_dtype != "float32" and c.lora_rank is None:
+        raise ConfigError(f"--base-dtype {c.base_dtype}: only a frozen LoRA base can be held in a low dtype; add --lora-rank")
+    if (c.prompt_column is None) != (c.response_column is None):
+        raise ConfigError("--prompt-column and --response-column: give both (the loss is taken on the response)")
+    if c.chat_template and c.prompt_column is None:
+        raise ConfigError("--chat-template: needs --prompt-column and --response-column")
     if c.tokenizer and c.vocab_size:
         raise ConfigError("--tokenizer and --vocab-size: give one (the vocabulary comes from the tokenizer file)")
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_target_list(targets: str | list[str]) -> list[str]:
+    """--lora-targets as a list (a config file may give a list)."""
+    return [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
 
 
 def flag_table() -> list[str]:
