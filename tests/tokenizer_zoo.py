@@ -63,3 +63,23 @@ def llama_style() -> Tokenizer:
     tok = Tokenizer.from_str(json.dumps(spec))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return tok
+
+
+def byte_level(specials: list[str]) -> Tokenizer:
+    """A GPT-2/Qwen2-style byte-level BPE (lossless: decode(encode(text)) == text) with the special tokens asked
+    for, e.g. ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] for ChatML."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def save_folder(tok: Tokenizer, folder, tokenizer_config: dict) -> str:
+    """`tok` saved as folder/tokenizer.json with a tokenizer_config.json beside it (a model folder's layout);
+    returns the tokenizer.json path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return str(folder / "tokenizer.json")

@@ -1,4 +1,5 @@
-"""Data: sources (hub, local files, built-in corpus), readers, tokenizer, packing and the streaming loader.
+"""Data: sources (hub, local files, built-in corpus), readers, tokenizer, instruction examples, packing and the
+streaming loader.
 
 numpy + tokenizers + datasets only, no jax: the loader works for any framework.
 """

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from slm.data.sources import TextSource
-from slm.data.stream import Batch, StreamingDataLoader, _prefetched, tracked
+from slm.data.stream import Batch, StreamingDataLoader, _prefetched, json_state, tracked
 from slm.errors import DatasetError
 
 _log = logging.getLogger(__name__)
@@ -106,8 +106,7 @@ class MixtureLoader:
     def state_json(self) -> dict | None:
         if self.state is None:
             return None
-        sources = [{**s, "stream": None if s["stream"] is None else {**s["stream"], "carry": list(map(int, s["stream"]["carry"]))}}
-                   for s in self.state["sources"]]
+        sources = [{**s, "stream": None if s["stream"] is None else json_state(s["stream"])} for s in self.state["sources"]]
         return {**self.state, "sources": sources}
 
     def counts(self) -> list[dict]:

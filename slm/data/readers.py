@@ -8,7 +8,8 @@
 Hostile input: invalid UTF-8 is replaced by U+FFFD (counted per file in `REPLACED_BYTES`, warned once
 per file); empty or whitespace-only documents are skipped; anything unreadable (a malformed JSON line,
 a missing text column, a corrupt Parquet file, an unreadable file) is a one-line DatasetError naming
-the file (and line, for JSON Lines).
+the file (and line, for JSON Lines). Given `pair` (--prompt-column, --response-column), the readers of
+files with columns yield `Example(prompt, response)` instead of a text (slm.data.instruction).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
+from slm.data.instruction import Document, Example
 from slm.errors import DatasetError, first_line
 
 TEXT_COLUMNS = ("text", "content", "story", "document", "body", "sentence")
@@ -89,21 +91,33 @@ def pick_text_column(columns: list[str], wanted: str | None, where: str, sample:
     raise DatasetError(f"{where}: cannot tell which column holds the text; pass --text-column, one of {columns}")
 
 
+def check_pair_columns(columns: list[str], pair: tuple[str, str], where: str) -> None:
+    """Both instruction columns are there, else one line naming the missing one and the columns found."""
+    for flag, name in zip(("--prompt-column", "--response-column"), pair):
+        if name not in columns:
+            raise DatasetError(f"{flag} {name}: {where} has no such column; columns are {columns}")
+
+
 def extension(path: str) -> str:
     """The lower-case extension of a path or URL (a URL's query and fragment left out)."""
     return os.path.splitext(urllib.parse.urlsplit(path).path if "://" in path else path)[1].lower()
 
 
-def read_file(path: str, text_column: str | None = None, opener: Opener = open) -> Iterator[str]:
+def read_file(path: str, text_column: str | None = None, opener: Opener = open,
+              pair: tuple[str, str] | None = None) -> Iterator[Document]:
     """The documents of one file; any problem with it is a DatasetError naming it. `opener` opens it like
-    `open` (slm.data.remote.open_url for an http(s) URL)."""
+    `open` (slm.data.remote.open_url for an http(s) URL). With `pair` (prompt and response columns): its
+    Examples."""
     ext = extension(path)
     if ext in (".jsonl", ".json"):
-        docs = _read_json(path, text_column, opener)
+        docs = _read_json(path, text_column, opener, pair)
     elif ext == ".parquet":
-        docs = _read_parquet(path, text_column, opener)
+        docs = _read_parquet(path, text_column, opener, pair)
     elif ext == ".csv":
-        docs = _read_csv(path, text_column, opener)
+        docs = _read_csv(path, text_column, opener, pair)
+    elif pair:
+        raise DatasetError(f"--prompt-column/--response-column: {path} is a text file, with no columns; "
+                           f"use a .jsonl/.json/.parquet/.csv file")
     else:
         docs = _read_txt(path, opener=opener)
     return _os_errors_named(path, _counting_replacements(path, docs))
@@ -245,7 +259,29 @@ def row_texts(rows: Iterable, text_column: str | None, where: str) -> Iterator[s
             yield text
 
 
-def _read_json(path: str, text_column: str | None, opener: Opener = open) -> Iterator[str]:
+def row_pairs(rows: Iterable, pair: tuple[str, str], where: str) -> Iterator[Example]:
+    """(prompt, response) Examples of dict rows; the columns are checked on the first row. Rows whose
+    prompt or response is not a string, or whose response is blank, are skipped (nothing to learn)."""
+    checked = False
+    for row in rows:
+        if not isinstance(row, dict):
+            raise DatasetError(f"{where}: expected a JSON object per row, got {type(row).__name__}")
+        if not checked:
+            check_pair_columns(list(row), pair, where)
+            checked = True
+        prompt, response = row.get(pair[0]), row.get(pair[1])
+        if isinstance(prompt, str) and isinstance(response, str) and response.strip():
+            yield Example(prompt, response)
+
+
+def row_documents(rows: Iterable, text_column: str | None, where: str,
+                  pair: tuple[str, str] | None = None) -> Iterator[Document]:
+    """Texts of dict rows, or their Examples when given the pair of columns."""
+    return row_pairs(rows, pair, where) if pair else row_texts(rows, text_column, where)
+
+
+def _read_json(path: str, text_column: str | None, opener: Opener = open,
+               pair: tuple[str, str] | None = None) -> Iterator[Document]:
     with opener(path, "rb") as f:
         head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
     if head[:1] == b"[":  # a JSON array: cannot be streamed with the standard library
@@ -255,9 +291,9 @@ def _read_json(path: str, text_column: str | None, opener: Opener = open) -> Ite
             except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, huge ints
                 msg = getattr(e, "msg", None) or type(e).__name__
                 raise DatasetError(f"{path}: invalid JSON ({msg}); fix the file or convert it to JSON Lines")
-        yield from row_texts(rows, text_column, path)
+        yield from row_documents(rows, text_column, path, pair)
         return
-    yield from row_texts(_jsonl_rows(path, opener), text_column, path)
+    yield from row_documents(_jsonl_rows(path, opener), text_column, path, pair)
 
 
 def _jsonl_rows(path: str, opener: Opener = open) -> Iterator:
@@ -282,7 +318,8 @@ def _is_text(t) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
 
 
-def _read_parquet(path: str, text_column: str | None, opener: Opener = open) -> Iterator[str]:
+def _read_parquet(path: str, text_column: str | None, opener: Opener = open,
+                  pair: tuple[str, str] | None = None) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
     try:
@@ -293,8 +330,10 @@ def _read_parquet(path: str, text_column: str | None, opener: Opener = open) -> 
         raise DatasetError(f"{path}: not a readable Parquet file ({first_line(e, 120)})")
     names = pf.schema_arrow.names
     strings = [n for n in names if _is_text(pf.schema_arrow.field(n).type)]
-    column = pick_text_column(names, text_column, path, {n: "" for n in strings})
-    batches = pf.iter_batches(columns=[column], batch_size=1024)
+    if pair:
+        check_pair_columns(names, pair, path)
+    columns = list(pair) if pair else [pick_text_column(names, text_column, path, {n: "" for n in strings})]
+    batches = pf.iter_batches(columns=columns, batch_size=1024)
     while True:
         try:  # a truncated or corrupt data page only shows when its batch is read
             batch = next(batches)
@@ -304,16 +343,20 @@ def _read_parquet(path: str, text_column: str | None, opener: Opener = open) -> 
             raise
         except Exception as e:
             raise DatasetError(f"{path}: corrupt Parquet data ({first_line(e, 120)}); re-export the file")
+        if pair:
+            yield from row_pairs(batch.to_pylist(), pair, path)
+            continue
         for text in batch.column(0).to_pylist():
             if isinstance(text, str) and text.strip():
                 yield text
 
 
-def _read_csv(path: str, text_column: str | None, opener: Opener = open) -> Iterator[str]:
+def _read_csv(path: str, text_column: str | None, opener: Opener = open,
+              pair: tuple[str, str] | None = None) -> Iterator[Document]:
     csv.field_size_limit(sys.maxsize)
     with opener(path, "r", encoding="utf-8-sig", errors=_REPLACE, newline="") as f:  # a BOM would rename column 1
         reader = csv.DictReader(f)
         try:
-            yield from row_texts(reader, text_column, path)
+            yield from row_documents(reader, text_column, path, pair)
         except csv.Error as e:
             raise DatasetError(f"{path}:{reader.line_num}: malformed CSV ({e}); fix or remove that line")

@@ -1,13 +1,15 @@
 """Dataset sources: the Hugging Face hub, local files, directories and globs, a built-in offline corpus.
 
-A source is anything with `documents(shuffle_seed=None, skip_head=0, shard=None) -> Iterator[str]`: one
-pass over the documents, leaving out the first `skip_head` of them in the source's natural (unshuffled)
-order, which is how the trainer holds out an eval slice that shuffling can never bring back into
-training. Local files are read incrementally (slm.data.readers), so the streaming loader's memory does
+A source is anything with `documents(shuffle_seed=None, skip_head=0, shard=None) -> Iterator[Document]`
+(texts, or Examples): one pass over the documents, leaving out the first `skip_head` of them in the
+source's natural (unshuffled) order, which is how the trainer holds out an eval slice that shuffling can
+never bring back into training. Local files are read incrementally (slm.data.readers), so the streaming loader's memory does
 not grow with the dataset. A directory means every supported file in it, in sorted order; files of
 other types (a hub snapshot's README, .gitattributes) are skipped, with a count. A file or glob must
 name only files with one of LOCAL_EXTENSIONS: the others are refused, named, since the user asked for
-them and reading e.g. a .gz as text would train on garbage.
+them and reading e.g. a .gz as text would train on garbage. Given --prompt-column and --response-column,
+the sources with columns (files of them, hub datasets) yield `Example(prompt, response)` pairs instead
+(slm.data.instruction), the same way.
 
 No jax here: numpy + tokenizers + datasets only.
 """
@@ -15,6 +17,7 @@ No jax here: numpy + tokenizers + datasets only.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import glob
 import itertools
@@ -26,7 +29,14 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from slm.data.readers import LOCAL_EXTENSIONS, Opener, extension, read_file, row_texts
+from slm.data.instruction import Document
+from slm.data.readers import (
+    LOCAL_EXTENSIONS,
+    Opener,
+    extension,
+    read_file,
+    row_documents,
+)
 from slm.data.remote import (
     RemoteFile,
     RetryPolicy,
@@ -47,7 +57,7 @@ class TextSource:
     name: str
 
     def documents(self, shuffle_seed: int | None = None, skip_head: int = 0,
-                  shard: tuple[int, int] | None = None) -> Iterator[str]:
+                  shard: tuple[int, int] | None = None) -> Iterator[Document]:
         """One pass; `shard=(index, count)`: only this process's disjoint part (every count-th document)."""
         raise NotImplementedError
 
@@ -62,17 +72,17 @@ class TextSource:
 
 @dataclass
 class ListSource(TextSource):
-    """In-memory documents (tests, notebooks, the built-in corpus)."""
+    """In-memory documents (tests, notebooks, the built-in corpus): texts, or Examples of your own."""
 
-    docs: Sequence[str] = ()
+    docs: Sequence[Document] = ()
 
     def documents(self, shuffle_seed: int | None = None, skip_head: int = 0,
-                  shard: tuple[int, int] | None = None) -> Iterator[str]:
+                  shard: tuple[int, int] | None = None) -> Iterator[Document]:
         return shard_of(iter(self.docs[skip_head:]), shard)
 
     @property
     def size_bytes(self) -> int:
-        return sum(len(d.encode("utf-8")) for d in self.docs)
+        return sum(len(t.encode("utf-8")) for d in self.docs for t in (d if isinstance(d, tuple) else (d,)))
 
 
 @dataclass
@@ -80,18 +90,25 @@ class LocalFiles(TextSource):
     paths: list[str] = field(default_factory=list)
     text_column: str | None = None
     opener: Opener = open  # how read_file opens a path
+    prompt_column: str | None = None  # with response_column: yield Examples
+    response_column: str | None = None
+
+    @property
+    def pair(self) -> tuple[str, str] | None:
+        return pair_of(self.prompt_column, self.response_column)
 
     def documents(self, shuffle_seed: int | None = None, skip_head: int = 0,
-                  shard: tuple[int, int] | None = None) -> Iterator[str]:
+                  shard: tuple[int, int] | None = None) -> Iterator[Document]:
         return shard_of(self._documents(shuffle_seed, skip_head), shard)
 
-    def _documents(self, shuffle_seed: int | None, skip_head: int) -> Iterator[str]:
+    def _documents(self, shuffle_seed: int | None, skip_head: int) -> Iterator[Document]:
         skip = self._head_per_file(skip_head)
         paths = list(self.paths)
         if shuffle_seed is not None and len(paths) > 1:
             random.Random(shuffle_seed).shuffle(paths)
         for path in paths:
-            yield from itertools.islice(read_file(path, self.text_column, self.opener), skip.get(path, 0), None)
+            yield from itertools.islice(read_file(path, self.text_column, self.opener, self.pair), skip.get(path, 0),
+                                        None)
 
     def _head_per_file(self, n: int) -> dict[str, int]:
         """How many of the first `n` documents (in sorted file order) each file holds."""
@@ -99,7 +116,7 @@ class LocalFiles(TextSource):
         for path in self.paths:
             if n <= 0:
                 break
-            count = sum(1 for _ in itertools.islice(read_file(path, self.text_column, self.opener), n))
+            count = sum(1 for _ in itertools.islice(read_file(path, self.text_column, self.opener, self.pair), n))
             skip[path], n = count, n - count
         return skip
 
@@ -132,6 +149,12 @@ class HubDataset(TextSource):
     streaming: bool = True
     text_column: str | None = None
     policy: RetryPolicy = field(default_factory=RetryPolicy)
+    prompt_column: str | None = None  # with response_column: yield Examples
+    response_column: str | None = None
+
+    @property
+    def pair(self) -> tuple[str, str] | None:
+        return pair_of(self.prompt_column, self.response_column)
 
     def _load(self, split: str):
         import datasets  # heavy import: only when the hub is used
@@ -143,7 +166,7 @@ class HubDataset(TextSource):
             raise DatasetError(f"--dataset-id {self.name} (split {split}): could not load it from the hub: {msg}")
 
     def documents(self, shuffle_seed: int | None = None, skip_head: int = 0,
-                  shard: tuple[int, int] | None = None) -> Iterator[str]:
+                  shard: tuple[int, int] | None = None) -> Iterator[Document]:
         """The stream, reopened after a transient network failure (`datasets` streaming raises 429/5xx and
         connection resets mid-stream: its issues 7506, 7344, 6577) and continued at the exact document:
         the documents already yielded are skipped in the same deterministic order."""
@@ -165,13 +188,13 @@ class HubDataset(TextSource):
                 failures = backoff(self.policy, self.name, failures, f"{type(e).__name__} after {yielded:,} documents",
                                    retry_after_of(e))
 
-    def _documents(self, shuffle_seed: int | None, skip_head: int, shard: tuple[int, int] | None) -> Iterator[str]:
+    def _documents(self, shuffle_seed: int | None, skip_head: int, shard: tuple[int, int] | None) -> Iterator[Document]:
         ds = self._load(self.split)
         if shuffle_seed is not None and self.streaming and not skip_head:
             # Shard order only (our buffer shuffles documents). Not with a held-out head: reordering
             # shards would move held-out documents into training.
             ds = ds.shuffle(seed=shuffle_seed, buffer_size=1)
-        texts = row_texts(ds, self.text_column, f"--dataset-id {self.name}")
+        texts = row_documents(ds, self.text_column, f"--dataset-id {self.name}", self.pair)
         if shard is not None and shard[1] > 1 and skip_head:
             # The held-out head is the head of the whole stream: skip it, then keep every count-th document
             # (a file-level split would skip part of the head inside each process's files instead).
@@ -184,8 +207,8 @@ class HubDataset(TextSource):
             if self.streaming and shards is not None and shards % shard[1] and shard[0] == 0:
                 print(f"[data] warning: {self.name} has {shards} file shards for {shard[1]} processes; each "
                       f"process reads every shard and keeps 1 document in {shard[1]}", file=sys.stderr)
-            texts = row_texts(split_dataset_by_node(ds, rank=shard[0], world_size=shard[1]), self.text_column,
-                           f"--dataset-id {self.name}")
+            texts = row_documents(split_dataset_by_node(ds, rank=shard[0], world_size=shard[1]), self.text_column,
+                                  f"--dataset-id {self.name}", self.pair)
         yield from itertools.islice(texts, skip_head, None)
 
     def validation(self) -> TextSource | None:
@@ -197,7 +220,7 @@ class HubDataset(TextSource):
             return None
         for s in ("validation", "valid", "val", "test"):
             if s in splits and s != self.split:
-                return HubDataset(self.name, self.config, s, self.streaming, self.text_column, self.policy)
+                return dataclasses.replace(self, split=s)
         return None
 
 
@@ -277,25 +300,35 @@ def resolve_source(
     hub_timeout: float = 3.0,
     flag: str = "--dataset-id",
     log=print,
+    prompt_column: str | None = None,
+    response_column: str | None = None,
 ) -> TextSource:
-    """Turn a --dataset-id (hub id, file, directory, glob, or None for the default) into a source."""
+    """Turn a --dataset-id (hub id, file, directory, glob, or None for the default) into a source; given
+    `prompt_column` and `response_column`, one that yields Example(prompt, response) pairs."""
+    pair = {"prompt_column": prompt_column, "response_column": response_column}
+    pair_of(prompt_column, response_column)  # both or neither
     if dataset_id is None:
         if hub_reachable(hub_timeout):
-            return HubDataset(DEFAULT_DATASET, dataset_config, split, streaming, text_column, RetryPolicy(log=log))
+            return HubDataset(DEFAULT_DATASET, dataset_config, split, streaming, text_column, RetryPolicy(log=log),
+                              **pair)
+        if prompt_column:
+            raise DatasetError("--prompt-column: the built-in offline corpus has no columns; pass --dataset-id")
         log(
             f"[data] The Hugging Face hub did not answer within {hub_timeout:g}s: training on the built-in "
             f"offline corpus (Python's own documentation, ~2 MB of English). Pass --dataset-id to choose data."
         )
         return builtin_corpus()
     if dataset_id == BUILTIN_DATASET:
+        if prompt_column:
+            raise DatasetError(f"--prompt-column: {BUILTIN_DATASET} has no columns; pass a dataset with them")
         return builtin_corpus()
     if is_url(dataset_id):
         if extension(dataset_id) not in LOCAL_EXTENSIONS:
             raise DatasetError(f"{flag} {dataset_id}: a URL must name a {'/'.join(LOCAL_EXTENSIONS)} file")
-        return UrlFile(dataset_id, text_column=text_column, policy=RetryPolicy(log=log))
+        return UrlFile(dataset_id, text_column=text_column, policy=RetryPolicy(log=log), **pair)
     paths = local_paths(dataset_id, flag, log)
     if paths is not None:
-        return LocalFiles(dataset_id, paths, text_column)
+        return LocalFiles(dataset_id, paths, text_column, **pair)
     if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", dataset_id):
         raise DatasetError(f"{flag} {dataset_id}: not a file, directory, glob or hub id like 'owner/name'")
     if not hub_reachable(hub_timeout):
@@ -303,8 +336,27 @@ def resolve_source(
             f"{flag} {dataset_id}: the Hugging Face hub cannot be reached; check the network "
             f"(or HF_HUB_OFFLINE) or pass a local file, directory or glob"
         )
-    return HubDataset(dataset_id, dataset_config, split, streaming, text_column, RetryPolicy(log=log))
+    return HubDataset(dataset_id, dataset_config, split, streaming, text_column, RetryPolicy(log=log), **pair)
 
+
+def pair_of(prompt_column: str | None, response_column: str | None) -> tuple[str, str] | None:
+    """(prompt, response) columns, or None for plain text; one of them alone is a one-line error."""
+    if (prompt_column is None) != (response_column is None):
+        raise DatasetError("--prompt-column and --response-column: give both (the loss is taken on the response)")
+    return None if prompt_column is None else (prompt_column, response_column)
+
+
+def with_columns(source: TextSource, prompt_column: str | None, response_column: str | None) -> TextSource:
+    """`source` yielding Examples of these columns (a copy; a mixture's sources each). A source without
+    columns of its own (a ListSource, yours) is returned as it is: it yields its own Examples."""
+    if pair_of(prompt_column, response_column) is None:
+        return source
+    if isinstance(getattr(source, "sources", None), list):  # a Mixture (slm.data.mixture imports this module)
+        return dataclasses.replace(source, sources=[with_columns(s, prompt_column, response_column)
+                                                    for s in source.sources])
+    if hasattr(source, "prompt_column"):
+        return dataclasses.replace(source, prompt_column=prompt_column, response_column=response_column)
+    return source
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,7 +396,7 @@ def builtin_corpus(max_bytes: int = 2_200_000) -> ListSource:
 # Tokenize and pack (shared by the streaming loader and the full-load path)
 
 
-def shard_of(docs: Iterator[str], shard: tuple[int, int] | None) -> Iterator[str]:
+def shard_of(docs: Iterator[Document], shard: tuple[int, int] | None) -> Iterator[Document]:
     """Documents index, index + count, ...: process `index` of `count` reads a disjoint 1/count of the stream."""
     if shard is None or shard[1] == 1:
         return docs

@@ -5,6 +5,9 @@
     for batch in loader:            # one epoch
         batch["input_ids"], batch["targets"]   # numpy int32, (batch_size, seq_len)
 
+Instruction data (`prompt_column=`, `response_column=`, optionally `chat_template=`): the same batches, with
+target -1 wherever the target token is not a response token (slm.data.instruction, slm.data.packing).
+
 Memory is bounded by the shuffle buffer (documents), one tokenization chunk, the packing carry-over
 (< one batch of tokens) and the prefetch queue; none of it grows with the dataset. Tokenization runs in
 a background thread that stays at most `prefetch` batches ahead, so it neither stalls the train step
@@ -24,8 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from slm.data.packing import encode_documents, pack_rows
-from slm.data.sources import TextSource, resolve_source
+from slm.data.instruction import (
+    Document,
+    as_document,
+    compile_template,
+    doc_chars,
+    plain_documents,
+)
+from slm.data.packing import encode_documents, pack_rows, split_rows
+from slm.data.sources import TextSource, resolve_source, with_columns
 from slm.data.tokenizer import SpecialIds, load_tokenizer, special_ids
 from slm.errors import DatasetError
 
@@ -56,7 +66,13 @@ class StreamingDataLoader:
         chunk_chars: int = 256_000,
         shard: tuple[int, int] | None = None,
         special: SpecialIds | None = None,
+        prompt_column: str | None = None,
+        response_column: str | None = None,
+        chat_template: str | None = None,
     ):
+        """`prompt_column` + `response_column`: instruction data, the loss on response tokens only (a source
+        object given as `dataset_id` gets these columns too); `chat_template`: the template string (e.g.
+        slm.data.instruction.load_chat_template(tokenizer_path)) that formats each example."""
         if tokenizer is None:
             raise ValueError("StreamingDataLoader needs a tokenizer (a tokenizers.Tokenizer or a tokenizer.json path)")
         if seq_len < 2:
@@ -77,11 +93,17 @@ class StreamingDataLoader:
                 _log.warning("[data] %s", special.describe(self.tokenizer))
         self.special = special
         if isinstance(dataset_id, TextSource):
-            self.source = dataset_id
+            self.source = with_columns(dataset_id, prompt_column, response_column)
         else:
+            if chat_template is not None and prompt_column is None:
+                raise DatasetError("--chat-template: needs --prompt-column and --response-column")
             self.source = resolve_source(
-                dataset_id, dataset_config=dataset_config, split=split, text_column=text_column, streaming=streaming
+                dataset_id, dataset_config=dataset_config, split=split, text_column=text_column, streaming=streaming,
+                prompt_column=prompt_column, response_column=response_column,
             )
+        if chat_template is not None:
+            compile_template(chat_template)  # a template that does not compile fails here, not in the thread
+        self.chat_template = chat_template
         self.seq_len, self.batch_size, self.stride = seq_len, batch_size, stride
         self.shuffle_buffer_size, self.seed = shuffle_buffer_size, seed
         self.max_examples, self.skip_documents = max_examples, skip_documents
@@ -118,7 +140,7 @@ class StreamingDataLoader:
 
     def state_json(self) -> dict | None:
         """`state` as plain JSON types (what a checkpoint stores); iter_epoch accepts it back."""
-        return None if self.state is None else {**self.state, "carry": self.state["carry"].tolist()}
+        return None if self.state is None else json_state(self.state)
 
     @property
     def tokens_per_batch(self) -> int:
@@ -126,7 +148,7 @@ class StreamingDataLoader:
 
     # -- pipeline -------------------------------------------------------------------------------
 
-    def _documents(self, epoch: int) -> Iterator[str]:
+    def _documents(self, epoch: int) -> Iterator[Document]:
         shuffle = self.shuffle_buffer_size > 1
         seed = (self.seed * 1_000_003 + epoch) if shuffle else None
         sharded = {"shard": self.shard} if self.shard else {}  # sources of your own need not know shards
@@ -141,18 +163,19 @@ class StreamingDataLoader:
         rng = np.random.default_rng([self.seed, epoch])
         L, B, stride, size = self.seq_len, self.batch_size, self.stride, self.shuffle_buffer_size
         carry = np.zeros(0, np.int32)
-        buf: list[str] = []
+        buf: list[Document] = []
         picks: list[int] = []  # indices drawn in blocks: one numpy call per 4096 documents
         pos = 0
         drain: list[int] | None = None  # the order the buffer empties in at the end of the source
         if resume is not None:
             self.documents_read, self.tokens_read = resume["documents_read"], resume["tokens_read"]
-            buf, picks, pos, drain = list(resume["buffer"]), list(resume["picks"]), resume["pick_pos"], resume["drain"]
+            buf = [as_document(d) for d in resume["buffer"]]
+            picks, pos, drain = list(resume["picks"]), resume["pick_pos"], resume["drain"]
             rng.bit_generator.state = resume["rng"]
             carry = np.asarray(resume["carry"], np.int32)
         source = itertools.islice(self._documents(epoch), self.documents_read, None)
 
-        def shuffled() -> Iterator[str]:
+        def shuffled() -> Iterator[Document]:
             nonlocal picks, pos, drain
             if drain is None:
                 for doc in source:
@@ -178,26 +201,27 @@ class StreamingDataLoader:
                     "buffer": list(buf), "picks": picks[pos:] if drain is None else [], "pick_pos": 0 if drain is None else pos,
                     "drain": drain, "rng": rng.bit_generator.state, "carry": carry.copy()}
 
-        chunk: list[str] = []
+        chunk: list[Document] = []
         chunk_len = 0
         yielded = resume is not None
 
         def flush() -> Iterator[tuple[Batch, dict]]:
             nonlocal carry
             if chunk:
-                tokens = encode_documents(self.tokenizer, chunk, self.special)
+                tokens = encode_documents(self.tokenizer, chunk, self.special, self.chat_template)
                 self.tokens_read += len(tokens)
                 carry = np.concatenate([carry, tokens]) if len(carry) else tokens
                 self.max_carry_tokens = max(self.max_carry_tokens, len(carry))
             while len(rows := pack_rows(carry, L, stride, B)[0]) == B:
                 carry = carry[B * stride:]
-                yield {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}, snapshot()
+                inputs, targets = split_rows(rows)
+                yield {"input_ids": inputs, "targets": targets}, snapshot()
 
         if resume is not None:  # rows the restored carry holds come first, as in the uninterrupted stream
             yield from flush()
         for doc in shuffled():
             chunk.append(doc)
-            chunk_len += len(doc)
+            chunk_len += doc_chars(doc)
             if chunk_len >= self.chunk_chars:
                 for item in flush():
                     yielded = True
@@ -210,6 +234,11 @@ class StreamingDataLoader:
         if not yielded:
             raise DatasetError(f"{self.source.name}: dataset is smaller than one batch ({self.tokens_read} tokens, "
                                f"need {(B - 1) * stride + L + 1}); use a smaller --batch-size or --seq-len, or more data")
+
+
+def json_state(state: dict) -> dict:
+    """A stream state as plain JSON types (what a checkpoint stores): the carry as a list, Examples as lists."""
+    return {**state, "carry": np.asarray(state["carry"]).tolist(), "buffer": plain_documents(state["buffer"])}
 
 
 def tracked(owner: Any, pairs: Iterator[tuple[Batch, dict]]) -> Iterator[Batch]:

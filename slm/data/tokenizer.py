@@ -128,12 +128,16 @@ def sample_start(tok: Any, special: SpecialIds) -> list[int]:
         return [0]
 
 
-def write_special_config(path: str, tok: Any, special: SpecialIds) -> None:
+def write_special_config(path: str, tok: Any, special: SpecialIds, chat_template: str | None = None) -> None:
     """A minimal tokenizer_config.json beside a run's tokenizer.json, so that the run's later readers
-    (resume, generate, export) find the same separator as training did."""
+    (resume, generate, export) find the same separator (and chat template, when one formatted the data)
+    as training did."""
     name = lambda i: None if i is None else tok.id_to_token(i)
+    config = {"eos_token": name(special.eos), "bos_token": name(special.bos)}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
     with open(path, "w") as f:
-        json.dump({"eos_token": name(special.eos), "bos_token": name(special.bos)}, f, indent=2)
+        json.dump(config, f, indent=2)
         f.write("\n")
 
 
@@ -145,8 +149,9 @@ def eot_id(tok: Any, source: str = "tokenizer") -> int:
     return eos
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, max_bytes: int = 8 << 20) -> Tokenizer:
-    """Train a byte-level BPE (GPT-2 style) on the first `max_bytes` of `texts`; id 0 is <|endoftext|>."""
+def train_bpe(texts: Iterable[str | tuple[str, ...]], vocab_size: int, max_bytes: int = 8 << 20) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 style) on the first `max_bytes` of `texts`; id 0 is <|endoftext|>.
+    An instruction example (a tuple: prompt, response) counts as its two texts, as they are encoded."""
     if vocab_size < 257:
         raise TokenizerError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least 257")
     tok = Tokenizer(models.BPE())
@@ -161,9 +166,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int, max_bytes: int = 8 << 20) -
 
     def limited() -> Iterator[str]:
         seen = 0
-        for t in texts:
-            yield t
-            seen += len(t)
+        for doc in texts:
+            for t in doc if isinstance(doc, tuple) else (doc,):
+                yield t
+                seen += len(t)
             if seen >= max_bytes:
                 return
 
