@@ -1,7 +1,9 @@
 """Whole-run memory arithmetic: what a training run will hold, per device and in host RSS. Pure Python, no jax.
 
 `estimate_memory_usage` (also importable from streaming_data_loader, where the seed guide put it) is the
-notebook entry point; `fit_candidates` is what --auto-fit ranks.
+notebook entry point; `fit_candidates` is what --auto-fit ranks, and `fit_to_budget` ranks the same from a
+notebook. Fine-tuning a pretrained config.json, LoRA's frozen base and adapters, and what changes on an
+accelerator (remat as designed, the CUDA runtime) are in slm/memory/finetune.py.
 
 Per device (bytes; N = parameters, Bd = micro-batch per device, S = seq len, L/D/F/H/V = layers, width,
 MLP width, heads, vocab; see slm/model/sizing.py):
@@ -60,11 +62,19 @@ figure.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 
 from slm.errors import ConfigError
+from slm.memory.finetune import (
+    GPU_RUNTIME_MB,
+    Finetune,
+    backward_bytes,
+    lora_breakdown,
+    model_shape,
+)
 from slm.model.sizing import (
     ModelShape,
     choose_shape,
@@ -127,33 +137,48 @@ def device_breakdown(
     gradient_accumulation_steps: int = 1,
     devices: int = 1,
     fsdp: bool = False,
+    finetune: Finetune | None = None,
+    platform: str = "cpu",
 ) -> dict[str, int]:
     """Bytes per device for one replica of the train step (micro_batch = sequences on this device).
 
     "total" is the step's peak: the state and gradients plus the larger of the backward pass
-    (activations + logits) and the optimizer update ("update"); the other keys are its parts.
+    (activations + logits, and a LoRA step's base casts) and the optimizer update ("update"); the other
+    keys are its parts. `finetune` with a LoRA rank: a frozen base and its adapters (slm.memory.finetune).
+    Off CPU, remat is modelled as on an accelerator and GPU_RUNTIME_MB is added (finetune's docstring).
     """
-    n = count_params(shape)
-    k = COEFFICIENTS[(bool(gradient_checkpointing), bool(mixed_precision), devices > 1)]
-    L, D, F, H, V = shape.n_layers, shape.d_model, shape.d_ff, shape.n_heads, shape.vocab_size
-    tokens = micro_batch * seq_len
-    accumulation = 4 * n + 8 if gradient_accumulation_steps > 1 else 0
-    out = {
-        "params": 4 * n,
-        "gradients": 4 * n,
-        "optimizer_state": optimizer_state_bytes(shape, use_8bit_optimizer, gradient_accumulation_steps) - accumulation,
-        "accumulation": accumulation,
-        "activations": int(tokens * L * (k.a * D + k.b * F + k.c * H * seq_len)),
-        "logits": int(tokens * V * k.e),
-        "update": int(UPDATE_TEMPS[(bool(use_8bit_optimizer), gradient_accumulation_steps > 1)] * 4 * n),
-    }
+    remat, mixed, ideal = bool(gradient_checkpointing), bool(mixed_precision), gradient_checkpointing and platform != "cpu"
+    accumulating = gradient_accumulation_steps > 1
+    if finetune is not None and finetune.lora_rank is not None:
+        out = lora_breakdown(shape, finetune, seq_len, micro_batch, mixed_precision=mixed, gradient_checkpointing=remat,
+                             use_8bit_optimizer=use_8bit_optimizer, accumulation=gradient_accumulation_steps,
+                             platform=platform)
+        n = out["params"] // 4
+    else:
+        n = count_params(shape)
+        accumulation = 4 * n + 8 if accumulating else 0
+        activations, logits = backward_bytes(
+            shape, micro_batch * seq_len, seq_len, astuple(COEFFICIENTS[(remat and not ideal, mixed, devices > 1)]),
+            astuple(COEFFICIENTS[(False, mixed, devices > 1)]) if ideal else None, 2 if mixed else 4)
+        out = {
+            "params": 4 * n,
+            "gradients": 4 * n,
+            "optimizer_state": optimizer_state_bytes(shape, use_8bit_optimizer, gradient_accumulation_steps) - accumulation,
+            "accumulation": accumulation,
+            "activations": activations,
+            "logits": logits,
+        }
+    out["update"] = int(UPDATE_TEMPS[(bool(use_8bit_optimizer), accumulating)] * 4 * n)
+    if platform != "cpu":
+        out["runtime"] = int(GPU_RUNTIME_MB * MB)
     if fsdp and devices > 1:
-        for key in ("params", "optimizer_state", "accumulation", "update"):
-            out[key] //= devices
-        out["gathered_params"] = 4 * n
-    phases = ("activations", "logits", "update")
-    out["total"] = (sum(v for k, v in out.items() if k not in phases)
-                    + max(out["activations"] + out["logits"], out["update"]))
+        for key in ("params", "base_params", "optimizer_state", "accumulation", "update"):
+            if key in out:
+                out[key] //= devices
+        out["gathered_params"] = out.get("base_params", 0) * devices or 4 * n
+    phases = ("activations", "logits", "base_casts", "update")
+    backward = out["activations"] + out["logits"] + out.get("base_casts", 0)
+    out["total"] = sum(v for k, v in out.items() if k not in phases) + max(backward, out["update"])
     return out
 
 
@@ -185,11 +210,12 @@ def checkpoint_staging_mb(state: float, use_8bit_optimizer: bool) -> float:
     return SAVE_STAGING_MB + SAVE_STAGING_PER_BYTE[bool(use_8bit_optimizer)] * state
 
 
-def runtime_mb(shape: ModelShape, use_8bit_optimizer: bool) -> float:
-    """RSS right after the step is compiled, before any state: the runtime and the compiler's leftovers."""
+def runtime_mb(shape: ModelShape, use_8bit_optimizer: bool, trained: int | None = None) -> float:
+    """RSS right after the step is compiled, before any state: the runtime and the compiler's leftovers
+    (`trained`: the parameters the 8-bit optimizer updates; all of them unless given)."""
     mb = RUNTIME_MB + COMPILE_MB_PER_LAYER * shape.n_layers
     if use_8bit_optimizer:
-        mb += COMPILE_8BIT_MB + COMPILE_8BIT_MB_PER_M * count_params(shape) / 1e6
+        mb += COMPILE_8BIT_MB + COMPILE_8BIT_MB_PER_M * (count_params(shape) if trained is None else trained) / 1e6
     return mb
 
 
@@ -203,7 +229,7 @@ def host_breakdown(
 ) -> dict[str, float]:
     """Predicted whole-run peak RSS in MB and its parts (module docstring); `dev` is device_breakdown's."""
     out = {
-        "runtime": runtime_mb(shape, use_8bit_optimizer),
+        "runtime": runtime_mb(shape, use_8bit_optimizer, dev["gradients"] // 4),
         "data": data_mb,
         "devices": devices * dev["total"] / MB if platform == "cpu" else 0.0,
         "step_slack": STEP_SLACK_MB,
@@ -225,6 +251,8 @@ def fit_candidates(
     data_mb: float,
     margin: float = 0.10,
     user: tuple[bool, bool, bool] = (False, False, False),
+    finetune: Finetune | None = None,
+    base_dtypes: tuple[str, ...] = (),
 ) -> list[dict]:
     """Settings that keep the effective batch (batch_size x accumulation sequences) and fit the budget.
 
@@ -234,29 +262,34 @@ def fit_candidates(
     when it fits, then the rest ordered by an estimated speed cost (halving the micro-batch ~10%, remat ~30%, bf16 on CPU ~30% (it is emulated) but
     a gain on accelerators, 8-bit state ~1%) and kept only when the predicted peak is within
     (1 - margin) x budget: host RSS on CPU, device memory elsewhere. The trainer compiles the first
-    candidates and takes the first one XLA agrees fits.
+    candidates and takes the first one XLA agrees fits. With `finetune` (a LoRA run) each candidate also
+    names its base dtype: `finetune.base_dtype`, or one of `base_dtypes` the user allows (cost 0.05, so
+    the given dtype wins at equal speed).
     """
     effective = batch_size * accumulation
+    own = finetune.base_dtype if finetune is not None else "float32"
+    dtypes = (own,) + tuple(d for d in base_dtypes if d != own) if finetune is not None else (own,)
     out = []
     for micro in sorted({d for d in range(1, effective + 1) if effective % d == 0}, reverse=True):
         devices = max(k for k in range(1, min(max_devices, micro) + 1) if micro % k == 0)
-        for eight in (False, True):
-            for mixed in (False, True):
-                for remat in (False, True):
-                    dev = device_breakdown(shape, seq_len, micro // devices, mixed_precision=mixed,
-                                           gradient_checkpointing=remat, use_8bit_optimizer=eight,
-                                           gradient_accumulation_steps=effective // micro, devices=devices)
-                    host = host_breakdown(shape, dev, devices, platform, data_mb, eight)["total"] * MB
-                    peak = host if platform == "cpu" else dev["total"]
-                    if peak > (1 - margin) * budget_bytes:
-                        continue
-                    cost = (0.1 * math.log2(effective / micro) + 0.3 * remat + 0.01 * eight
-                            + (0.3 if platform == "cpu" else -0.1) * mixed)
-                    if micro == batch_size and (eight, mixed, remat) == tuple(user):
-                        cost = -1.0  # the user's own setting (user = their 8-bit, bf16, remat flags) when it fits
-                    out.append({"batch_size": micro, "gradient_accumulation_steps": effective // micro,
-                                "use_8bit_optimizer": eight, "use_mixed_precision": mixed,
-                                "gradient_checkpointing": remat, "predicted_peak_mb": peak / MB, "cost": cost})
+        for dtype, eight, mixed, remat in itertools.product(dtypes, (False, True), (False, True), (False, True)):
+            ft = replace(finetune, base_dtype=dtype) if finetune is not None else None
+            dev = device_breakdown(shape, seq_len, micro // devices, mixed_precision=mixed,
+                                   gradient_checkpointing=remat, use_8bit_optimizer=eight,
+                                   gradient_accumulation_steps=effective // micro, devices=devices,
+                                   finetune=ft, platform=platform)
+            host = host_breakdown(shape, dev, devices, platform, data_mb, eight)["total"] * MB
+            peak = host if platform == "cpu" else dev["total"]
+            if peak > (1 - margin) * budget_bytes:
+                continue
+            cost = (0.1 * math.log2(effective / micro) + 0.3 * remat + 0.01 * eight
+                    + (0.3 if platform == "cpu" else -0.1) * mixed + 0.05 * (dtype != own))
+            if micro == batch_size and (eight, mixed, remat) == tuple(user) and dtype == own:
+                cost = -1.0  # the user's own setting (user = their 8-bit, bf16, remat flags) when it fits
+            out.append({"batch_size": micro, "gradient_accumulation_steps": effective // micro, "devices": devices,
+                        "use_8bit_optimizer": eight, "use_mixed_precision": mixed,
+                        "gradient_checkpointing": remat, "predicted_peak_mb": peak / MB, "cost": cost,
+                        **({"base_dtype": dtype} if finetune is not None else {})})
     return sorted(out, key=lambda c: (c["cost"], c["predicted_peak_mb"]))
 
 
@@ -280,6 +313,10 @@ def estimate_memory_usage(
     devices: int = 1,
     platform: str = "cpu",
     sharding: str = "dp",
+    model=None,
+    lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] | list[str] = ("q_proj", "v_proj"),
+    base_dtype: str = "float32",
 ) -> dict:
     """Memory of a run in MB: the data side always, and the whole run when a model is given.
 
@@ -297,6 +334,12 @@ def estimate_memory_usage(
     (runtime + compile leftovers) + data pipeline (streaming or full load) + on CPU the device totals of
     all `devices` host devices + step slack + checkpoint staging (`host_breakdown`). `batch_size` is the
     global micro-batch, split over `devices`; `sharding="fsdp"` splits the train state over them too.
+
+    Fine-tuning: `model` is a pretrained model's config.json (its path, its folder or its dict; no weights
+    are read), full fine-tuning of that shape; with `lora_rank`, rank-r adapters on `lora_targets` of a
+    frozen base held in `base_dtype` (slm/memory/finetune.py): the breakdown gains base_params_mb and
+    base_casts_mb, params/gradients/optimizer state are the adapters', and `trainable_params` and
+    `model_params` are added. `platform="gpu"` adds runtime_mb (the CUDA context) to the device total.
     The result is a dict that prints as a table (also in notebooks).
     """
     mb = 1 / MB
@@ -316,16 +359,22 @@ def estimate_memory_usage(
         "shuffle_buffer_mb": round(shuffle, 3),
         "tokenize_chunk_mb": round(chunk, 3),
     })
-    if shape is None and target_params is None:
+    if shape is None and target_params is None and model is None:
         return out
-    if shape is None:
+    if model is not None:
+        shape = model_shape(model)
+    elif shape is None:
         shape = choose_shape(target_params, vocab_size or default_vocab_size(target_params))
+    finetune = Finetune(lora_rank, tuple(lora_targets), base_dtype) if model is not None or lora_rank else None
+    if finetune is not None:
+        out["model_params"] = count_params(shape)
+        out["trainable_params"] = finetune.trainable_params(shape)
     if batch_size % devices:
         raise ValueError(f"batch_size {batch_size} does not split over {devices} devices")
     dev = device_breakdown(shape, seq_len, batch_size // devices, mixed_precision=mixed_precision,
                            gradient_checkpointing=gradient_checkpointing, use_8bit_optimizer=use_8bit_optimizer,
                            gradient_accumulation_steps=gradient_accumulation_steps, devices=devices,
-                           fsdp=sharding == "fsdp")
+                           fsdp=sharding == "fsdp", finetune=finetune, platform=platform)
     for k, v in dev.items():
         out[f"{k}_mb" if k != "total" else "device_total_mb"] = round(v * mb, 3)
     data_mb = streaming_mb if streaming else full
@@ -353,4 +402,63 @@ def parse_size(text: str, flag: str = "--memory-budget") -> int:
     if not m or value <= 0:
         raise ConfigError(f"{flag} {text!r}: use a size like 8GB or 512MB")
     unit = (m.group(2) or m.group(3) or "").lower()
-    return int(round(value * _UNITS[unit]))
+    return round(value * _UNITS[unit])
+
+
+DATA_KEYS = ("full_load_mb", "streaming_mb", "memory_savings", "memory_savings_frac", "streaming_batches_mb",
+             "shuffle_buffer_mb", "tokenize_chunk_mb")
+
+
+def fit_to_budget(
+    budget: str | int,
+    seq_len: int,
+    batch_size: int,
+    gradient_accumulation_steps: int = 1,
+    *,
+    model=None,
+    target_params: int | None = None,
+    vocab_size: int | None = None,
+    lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] | list[str] = ("q_proj", "v_proj"),
+    base_dtype: str = "float32",
+    allow_base_dtypes: tuple[str, ...] | list[str] = (),
+    use_8bit_optimizer: bool = False,
+    mixed_precision: bool = False,
+    gradient_checkpointing: bool = False,
+    platform: str = "gpu",
+    devices: int = 1,
+    margin: float = 0.10,
+) -> MemoryEstimate:
+    """--auto-fit from a notebook, before any download: the setting that is cheapest in compute, keeps the
+    effective batch (batch_size x gradient_accumulation_steps sequences of seq_len) and is predicted to fit
+    `budget` ("24GB", or bytes) with `margin` to spare: device memory on an accelerator, host RSS on CPU.
+
+    It ranks what fit_candidates ranks for the trainer's --auto-fit (micro-batch x accumulation, remat,
+    8-bit state, mixed precision; the settings given here win when they fit), and for LoRA the base dtype
+    too, but only among `base_dtype` and the `allow_base_dtypes` you name. The model is `model` (a
+    config.json, its folder or dict: fine-tuning, LoRA with `lora_rank`) or `target_params`. Returns the
+    chosen settings, "budget_mb", "candidates" (how many fit) and the choice's estimate_memory_usage
+    figures; raises ConfigError when nothing fits. The trainer's --auto-fit then confirms by compiling.
+    """
+    budget_bytes = parse_size(budget, "budget") if isinstance(budget, str) else int(budget)
+    shape = model_shape(model) if model is not None else choose_shape(
+        target_params, vocab_size or default_vocab_size(target_params))
+    finetune = Finetune(lora_rank, tuple(lora_targets), base_dtype) if model is not None or lora_rank else None
+    found = fit_candidates(shape, seq_len, batch_size, gradient_accumulation_steps, budget_bytes, max_devices=devices,
+                           platform=platform, data_mb=estimate_memory_usage(0, seq_len, batch_size)["streaming_mb"],
+                           margin=margin, user=(use_8bit_optimizer, mixed_precision, gradient_checkpointing),
+                           finetune=finetune, base_dtypes=tuple(allow_base_dtypes))
+    if not found:
+        raise ConfigError(f"nothing fits {budget} with a {margin:.0%} margin at seq_len {seq_len} for "
+                          f"{count_params(shape):,} parameters, even at micro-batch 1 with remat and 8-bit state; "
+                          f"shorten seq_len, use LoRA or a lower base_dtype, or raise the budget")
+    best = found[0]
+    est = estimate_memory_usage(
+        0, seq_len, best["batch_size"], model=shape if finetune is not None else None,
+        shape=shape, lora_rank=lora_rank, lora_targets=tuple(lora_targets),
+        base_dtype=best.get("base_dtype", base_dtype), mixed_precision=best["use_mixed_precision"],
+        use_8bit_optimizer=best["use_8bit_optimizer"], gradient_accumulation_steps=best["gradient_accumulation_steps"],
+        gradient_checkpointing=best["gradient_checkpointing"], devices=best["devices"], platform=platform)
+    chosen = {k: v for k, v in best.items() if k != "cost"}
+    return MemoryEstimate({**chosen, "budget_mb": round(budget_bytes / MB, 3), "candidates": len(found),
+                           **{k: v for k, v in est.items() if k not in DATA_KEYS}})

@@ -102,7 +102,7 @@ def default_learning_rate(n_params: int) -> float:
 
 def _solve_d_ff(target: int, vocab: int, L: int, D: int) -> int:
     rest = target - vocab * D - D - L * (4 * D * D + 2 * D)
-    return int(round(rest / (3 * D * L) / 8.0)) * 8
+    return round(rest / (3 * D * L) / 8.0) * 8
 
 
 def choose_shape(
@@ -177,10 +177,12 @@ def describe(shape: ModelShape, seq_len: int) -> str:
 
 
 def param_shapes(shape: ModelShape) -> list[tuple[int, ...]]:
-    """The shape of every parameter array of model.Transformer (order not significant)."""
+    """The shape of every parameter array of model.Transformer (order not significant); a pretrained
+    family's grouped q/k/v, q/k/v bias and untied head included (their sizes sum to count_params)."""
     V, L, D, F = shape.vocab_size, shape.n_layers, shape.d_model, shape.d_ff
-    per_block = [(D, 3 * D), (D, D), (D, 2 * F), (F, D), (D,), (D,)]
-    return [(V, D)] + per_block * L + [(D,)]
+    q, qkv = shape.n_heads * shape.head_dim, (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim
+    per_block = [(D, qkv), (q, D), (D, 2 * F), (F, D), (D,), (D,)] + ([(qkv,)] if shape.qkv_bias else [])
+    return [(V, D)] * (1 if shape.tie_embeddings else 2) + per_block * L + [(D,)]
 
 
 def optimizer_state_bytes(shape: ModelShape, use_8bit: bool = False, accumulation: int = 1,
@@ -193,22 +195,28 @@ def optimizer_state_bytes(shape: ModelShape, use_8bit: bool = False, accumulatio
     Plus the parameter-sized float32 accumulator of optax.MultiSteps when accumulation > 1, and a few
     scalars (step counts, the non-finite guard's flags).
     """
+    return adam_state_bytes(param_shapes(shape), use_8bit, accumulation, min_8bit_size, block)
+
+
+def adam_state_bytes(shapes: list[tuple[int, ...]], use_8bit: bool = False, accumulation: int = 1,
+                     min_8bit_size: int = 4096, block: int = 256) -> int:
+    """optimizer_state_bytes for any list of trained arrays (a whole model's, or LoRA's adapters)."""
     total = 0
-    for s in param_shapes(shape):
+    for s in shapes:
         n = math.prod(s)
         total += 2 * n + 8 * -(-n // block) if use_8bit and n >= min_8bit_size else 8 * n
     scalars = 4 + 1 + 4 + (4 + 4 if use_8bit else 4)  # apply_if_finite: 2 int32 + bool; Adam count (+ skipped)
     if accumulation > 1:  # MultiSteps: acc_grads, mini_step, gradient_step, skip state
-        total += 4 * count_params(shape) + 4 + 4
+        total += 4 * sum(math.prod(s) for s in shapes) + 4 + 4
     return total + scalars
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[str] = ("q_proj", "v_proj")) -> int:
-    """Trainable parameters of rank-`rank` LoRA adapters on the named projections (Hugging Face module
-    names) of every layer: r * (in + out) per adapted matrix, as PEFT counts them."""
+def lora_param_shapes(shape: ModelShape, rank: int,
+                      targets: tuple[str, ...] | list[str] = ("q_proj", "v_proj")) -> list[tuple[int, int]]:
+    """The adapters' arrays, A (in, rank) and B (rank, out) per targeted projection per layer (float32)."""
     unknown = sorted(set(targets) - set(LORA_TARGETS))
     if unknown:
         raise SizingError(f"--lora-targets {','.join(unknown)}: not a projection of this model; choose from "
@@ -216,4 +224,11 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[st
     D, F, q, kv = shape.d_model, shape.d_ff, shape.n_heads * shape.head_dim, shape.kv_heads * shape.head_dim
     dims = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D), "gate_proj": (D, F),
             "up_proj": (D, F), "down_proj": (F, D)}
-    return shape.n_layers * sum(rank * sum(dims[t]) for t in set(targets))
+    per_layer = [s for t in sorted(set(targets)) for s in ((dims[t][0], rank), (rank, dims[t][1]))]
+    return per_layer * shape.n_layers
+
+
+def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[str] = ("q_proj", "v_proj")) -> int:
+    """Trainable parameters of rank-`rank` LoRA adapters on the named projections (Hugging Face module
+    names) of every layer: r * (in + out) per adapted matrix, as PEFT counts them."""
+    return sum(math.prod(s) for s in lora_param_shapes(shape, rank, targets))

@@ -1,0 +1,170 @@
+"""What fine-tuning a pretrained model holds per device, from its config.json alone (no weights). Pure Python.
+
+`estimate_memory_usage(..., model=CONFIG, lora_rank=16, base_dtype="float16")` and `fit_to_budget`
+(slm/memory/estimate.py) use this module. Without `lora_rank` a `model=` is full fine-tuning, which holds
+what a from-scratch run of that shape holds. The LoRA layout is the trainer's (slm/model/lora.py,
+slm/train/step.py), per device, in bytes (n = adapter parameters, N = the base's; tokens = micro-batch
+per device x S):
+
+    base_params   N * bytes(base_dtype)  the frozen base (float32, bfloat16 or float16): no gradient, no state
+    params        4n                     adapters A (in, r) and B (r, out) per target per layer, float32
+    gradients     4n
+    optimizer     8n AdamW | ~2.03n 8-bit (sizing.adam_state_bytes of the adapters' shapes)
+    accumulation  4n + 8 when accumulating (optax.MultiSteps' float32 sum)
+    base_casts    copies of base weights in the dtype the matmuls run in (below)
+    activations   tokens*L*(a*D + b*F + c*H*S)  the backward runs through every layer, down to layer 0's
+                                                adapters, though no base weight gets a gradient
+    logits        tokens*V*e                    float32 (B, L, V) and the cross-entropy's temporaries
+    update        the adapters' optimizer update, as for a full run (estimate.UPDATE_TEMPS)
+
+Base casts: the model casts each weight to the compute dtype per matmul (bfloat16 under mixed precision,
+else float32), and JAX's autodiff keeps that cast as the residual the backward's input gradient needs.
+On XLA:CPU every bfloat16/float16 dot runs in float32 (bf16 is emulated), so a base that is not float32,
+or any base under mixed precision, gets float32 copies of all its matmul weights, held for the whole
+step, remat or not (CAST_CPU, fitted). On an accelerator (assumed, not measured: no GPU here) only a
+base whose dtype differs from the compute dtype is cast: all layers' copies are held without remat, one
+layer's with it (a block's casts are recomputed in its backward), and the head's copy always.
+
+Gradient checkpointing on an accelerator is modelled as it is meant to work: each block's input kept
+(D x compute bytes per token per layer) plus one block's activations while it is recomputed. XLA:CPU
+keeps recomputed activations live (docs/memory.md), so on CPU the fitted remat coefficients apply.
+On an accelerator GPU_RUNTIME_MB is added to the device total.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from slm.errors import ConfigError
+from slm.model.hf_config import shape_from_hf_config
+from slm.model.sizing import (
+    ModelShape,
+    adam_state_bytes,
+    count_params,
+    lora_param_shapes,
+)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Outside XLA's buffers on a GPU: the CUDA context (driver and lazily loaded kernels, ~300-400 MB since
+# CUDA 11.7's lazy loading and over 1 GB before it: pytorch/pytorch#107667, #20532), cuBLAS/cuDNN handles
+# and workspaces, and the allocator's fragmentation. An assumption, not measured here (no GPU).
+GPU_RUNTIME_MB = 600.0
+
+# LoRA activation coefficients (a, b, c, e; bytes per token) keyed (remat, mixed_precision), one device,
+# fitted by relative least squares to XLA:CPU's memory analysis of the LoRA train step at abstract shapes
+# (jax 0.10.2; smollm2-135m, qwen2.5-0.5b, tinyllama-1.1b and mistral-7b shapes at 2 and 4 layers, seq
+# 256/512, batch 1/2, every base dtype: 160 compiles, each within -1.2..+2.6% of XLA's peak). Under mixed
+# precision `a` fitted slightly negative (-0.9..-0.6) and is pinned to 0. Remat saves ~22% of b on CPU.
+LORA_COEFFICIENTS = {
+    (False, False): (10.31, 18.11, 12.37, 7.91),
+    (False, True): (0.0, 13.01, 12.83, 8.08),
+    (True, False): (10.36, 14.08, 12.37, 7.91),
+    (True, True): (0.0, 13.05, 12.96, 8.09),
+}
+# XLA:CPU's float32 copies of the base's matmul weights, per 4 bytes of them (fitted: 0.95-0.97); under
+# mixed precision a base that is not bfloat16 also keeps the head's bfloat16 rounding (2 bytes/weight).
+CAST_CPU = 0.96
+
+
+@dataclass(frozen=True)
+class Finetune:
+    """What a fine-tuning run trains: rank-`lora_rank` adapters on `lora_targets` of a frozen base held in
+    `base_dtype`, or (lora_rank None) every weight, as a from-scratch run does."""
+
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    base_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.base_dtype not in DTYPE_BYTES:
+            raise ConfigError(f"base_dtype {self.base_dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
+        if self.lora_rank is None and self.base_dtype != "float32":
+            raise ConfigError(f"base_dtype {self.base_dtype}: only a frozen LoRA base can be held in a low dtype; "
+                              f"give lora_rank")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ConfigError(f"lora_rank {self.lora_rank}: must be a positive rank (e.g. 8 or 16)")
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+
+    def trainable_params(self, shape: ModelShape) -> int:
+        if self.lora_rank is None:
+            return count_params(shape)
+        return sum(math.prod(s) for s in lora_param_shapes(shape, self.lora_rank, self.lora_targets))
+
+
+def model_shape(model: ModelShape | dict | str | os.PathLike) -> ModelShape:
+    """The shape of `model`: a ModelShape, a transformers config.json's dict, or the path of that file or
+    of the model folder holding it (only config.json is read: no weights)."""
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, dict):
+        return shape_from_hf_config(model)
+    path = os.fspath(model)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"model={os.fspath(model)}: no such config.json; pass a Hugging Face config.json, its "
+                          f"folder or its dict")
+    with open(path) as f:
+        return shape_from_hf_config(json.load(f), path)
+
+
+def matmul_weights(shape: ModelShape) -> tuple[int, int]:
+    """(one block's matmul weights, the head's): what the model casts per matmul (norms and biases aside)."""
+    D, F = shape.d_model, shape.d_ff
+    q, qkv = shape.n_heads * shape.head_dim, (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim
+    return D * qkv + q * D + 3 * D * F, shape.vocab_size * D
+
+
+def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, remat: bool, platform: str) -> int:
+    """Bytes of compute-dtype copies of base weights the step holds at its peak (module docstring)."""
+    block, head = matmul_weights(shape)
+    if platform == "cpu":
+        cast = base_dtype != "float32" or mixed_precision
+        head_rounding = 2 * head if mixed_precision and base_dtype != "bfloat16" else 0
+        return int(CAST_CPU * 4 * (shape.n_layers * block + head)) + head_rounding if cast else 0
+    compute = "bfloat16" if mixed_precision else "float32"
+    if base_dtype == compute:
+        return 0
+    return DTYPE_BYTES[compute] * ((1 if remat else shape.n_layers) * block + head)
+
+
+def backward_bytes(shape: ModelShape, tokens: int, seq_len: int, coefficients: tuple[float, ...],
+                   layer_coefficients: tuple[float, ...] | None = None, compute_bytes: int = 4) -> tuple[int, int]:
+    """(activations, logits) for `tokens` tokens: L layers at `coefficients` (a, b, c, e), or with
+    `layer_coefficients` an accelerator's remat: each block's input kept, one block recomputed at a time."""
+    L, D, F, H, V = shape.n_layers, shape.d_model, shape.d_ff, shape.n_heads, shape.vocab_size
+    a, b, c, e = coefficients
+    per_layer = a * D + b * F + c * H * seq_len
+    if layer_coefficients is not None:
+        a1, b1, c1, _ = layer_coefficients
+        per_token = (L - 1) * D * compute_bytes + a1 * D + b1 * F + c1 * H * seq_len
+        return int(tokens * per_token), int(tokens * V * e)
+    return int(tokens * L * per_layer), int(tokens * V * e)
+
+
+def lora_breakdown(shape: ModelShape, ft: Finetune, seq_len: int, micro_batch: int, *, mixed_precision: bool,
+                   gradient_checkpointing: bool, use_8bit_optimizer: bool, accumulation: int,
+                   platform: str) -> dict[str, int]:
+    """The LoRA step's parts per device, bytes (module docstring), all but the update phase."""
+    shapes = lora_param_shapes(shape, ft.lora_rank, ft.lora_targets)
+    n = sum(math.prod(s) for s in shapes)
+    acc = 4 * n + 8 if accumulation > 1 else 0
+    remat = bool(gradient_checkpointing)
+    ideal = remat and platform != "cpu"
+    activations, logits = backward_bytes(
+        shape, micro_batch * seq_len, seq_len, LORA_COEFFICIENTS[(remat and not ideal, bool(mixed_precision))],
+        LORA_COEFFICIENTS[(False, bool(mixed_precision))] if ideal else None, 2 if mixed_precision else 4)
+    return {
+        "base_params": count_params(shape) * DTYPE_BYTES[ft.base_dtype],
+        "params": 4 * n,
+        "gradients": 4 * n,
+        "optimizer_state": adam_state_bytes(shapes, use_8bit_optimizer, accumulation) - acc,
+        "accumulation": acc,
+        "base_casts": base_cast_bytes(shape, ft.base_dtype, mixed_precision, remat, platform),
+        "activations": activations,
+        "logits": logits,
+    }

@@ -1,0 +1,120 @@
+"""Fine-tuning memory plans from a config.json alone: seed 002's Mistral-7B LoRA on a 24 GB GPU, and the planner."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT
+
+from slm.errors import ConfigError
+from slm.memory.estimate import MB, estimate_memory_usage, fit_candidates, fit_to_budget
+from slm.memory.finetune import GPU_RUNTIME_MB, Finetune, model_shape
+from slm.model.hf_config import shape_from_hf_config
+from slm.model.sizing import count_params
+
+MISTRAL = ROOT.parent / "shared" / "models" / "mistral-7b-v0.1" / "config.json"
+GPU_24GB = 24 * 1024  # MB
+QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# Seed 002's settings (../shared/seeds/002_*): "FP16 precision" is mixed precision here (bf16 compute).
+FINAL = {"lora_rank": 16, "lora_targets": ["q_proj", "v_proj"], "base_dtype": "float16", "gradient_checkpointing": True,
+         "gradient_accumulation_steps": 16, "mixed_precision": True, "platform": "gpu"}
+FIRST = {**FINAL, "lora_targets": QKVO, "gradient_checkpointing": False, "gradient_accumulation_steps": 8}
+
+
+def test_seed_002_trainable_params_from_the_config_alone():
+    for model in (str(MISTRAL), MISTRAL.parent, json.loads(MISTRAL.read_text())):
+        e = estimate_memory_usage(0, 256, 1, model=model, **FINAL)
+        assert e["trainable_params"] == 6_815_744 and e["model_params"] == 7_241_732_096
+    assert abs(e["params_mb"] - 4 * 6_815_744 / MB) < 1e-3  # float32 adapters
+    assert abs(e["base_params_mb"] - 2 * 7_241_732_096 / MB) < 1e-3  # the frozen float16 base
+    assert abs(e["optimizer_state_mb"] - 8 * 6_815_744 / MB) < 0.01 and e["accumulation_mb"] > 0
+
+
+def test_seed_002_final_settings_fit_24gb_and_first_settings_do_not():
+    final = estimate_memory_usage(0, 256, 1, model=MISTRAL, **FINAL)
+    assert final["device_total_mb"] < 0.9 * GPU_24GB  # fits with the 10% margin --auto-fit keeps
+    assert final["runtime_mb"] == GPU_RUNTIME_MB and final["base_casts_mb"] < 1024  # remat: one layer's casts
+    first = estimate_memory_usage(0, 512, 2, model=MISTRAL, **FIRST)
+    assert first["device_total_mb"] > GPU_24GB + 4 * 1024  # several GB over a 24 GB GPU
+    # Like for like with the seed's fp16-weights-in-fp16-compute run: a bf16 base needs no cast copies.
+    bf16 = estimate_memory_usage(0, 512, 2, model=MISTRAL, **{**FIRST, "base_dtype": "bfloat16"})
+    assert bf16["base_casts_mb"] == 0 and GPU_24GB + 2 * 1024 < bf16["device_total_mb"] < first["device_total_mb"]
+
+
+def test_planner_fits_the_first_settings_into_24gb_keeping_the_effective_batch():
+    plan = fit_to_budget("24GB", 512, 2, 8, model=MISTRAL, **{k: v for k, v in FIRST.items()
+                                                               if k not in ("gradient_accumulation_steps",)})
+    assert plan["batch_size"] * plan["gradient_accumulation_steps"] == 16
+    assert plan["base_dtype"] == "float16"  # kept: the user did not allow another
+    assert plan["device_total_mb"] <= 0.9 * GPU_24GB and plan["predicted_peak_mb"] == pytest.approx(plan["device_total_mb"])
+    assert plan["trainable_params"] == 13_631_488 and plan["candidates"] >= 1
+    # The settings themselves give that figure again.
+    again = estimate_memory_usage(0, 512, plan["batch_size"], model=MISTRAL, lora_rank=16, lora_targets=QKVO,
+                                  base_dtype="float16", platform="gpu",
+                                  gradient_accumulation_steps=plan["gradient_accumulation_steps"],
+                                  mixed_precision=plan["use_mixed_precision"],
+                                  gradient_checkpointing=plan["gradient_checkpointing"],
+                                  use_8bit_optimizer=plan["use_8bit_optimizer"])
+    assert again["device_total_mb"] == plan["device_total_mb"]
+
+
+def test_planner_changes_the_base_dtype_only_when_allowed():
+    shape = model_shape(MISTRAL)
+    ft = Finetune(16, tuple(QKVO), "float16")
+    kept = fit_candidates(shape, 512, 2, 8, 24 << 30, max_devices=1, platform="gpu", data_mb=11.3, finetune=ft)
+    assert kept and {c["base_dtype"] for c in kept} == {"float16"}
+    both = fit_candidates(shape, 512, 2, 8, 24 << 30, max_devices=1, platform="gpu", data_mb=11.3, finetune=ft,
+                          base_dtypes=("bfloat16",))
+    assert {c["base_dtype"] for c in both} == {"float16", "bfloat16"} and len(both) > len(kept)
+    # The user's own setting comes first when it fits.
+    own = fit_candidates(shape, 256, 1, 16, 24 << 30, max_devices=1, platform="gpu", data_mb=11.3,
+                         finetune=Finetune(16, ("q_proj", "v_proj"), "float16"), user=(False, True, True))
+    assert own[0]["batch_size"] == 1 and own[0]["gradient_checkpointing"] and own[0]["base_dtype"] == "float16"
+    with pytest.raises(ConfigError, match="nothing fits 8GB"):
+        fit_to_budget("8GB", 512, 2, 8, model=MISTRAL, lora_rank=16, base_dtype="float16")
+
+
+def test_full_fine_tuning_of_a_config_is_todays_formula_for_that_shape():
+    shape = model_shape(MISTRAL)
+    for platform, remat in (("cpu", False), ("cpu", True), ("gpu", True)):
+        ft = estimate_memory_usage(0, 256, 2, model=MISTRAL, platform=platform, gradient_checkpointing=remat)
+        same = estimate_memory_usage(0, 256, 2, shape=shape, platform=platform, gradient_checkpointing=remat)
+        assert ft["trainable_params"] == count_params(shape) and "base_params_mb" not in ft
+        assert {k: v for k, v in ft.items() if k not in ("trainable_params", "model_params")} == same
+    cpu = estimate_memory_usage(0, 256, 2, shape=shape)
+    gpu = estimate_memory_usage(0, 256, 2, shape=shape, platform="gpu")
+    assert "runtime_mb" not in cpu and gpu["device_total_mb"] == pytest.approx(cpu["device_total_mb"] + GPU_RUNTIME_MB)
+
+
+def test_base_casts_follow_the_compute_dtype():
+    def e(**kw) -> float:
+        return estimate_memory_usage(0, 256, 1, model=MISTRAL, lora_rank=16, **kw)["base_casts_mb"]
+
+    assert e(base_dtype="bfloat16", mixed_precision=True, platform="gpu") == 0  # bf16 weights, bf16 matmuls
+    assert e(base_dtype="float32", platform="gpu") == 0
+    no_remat = e(base_dtype="float16", mixed_precision=True, platform="gpu")
+    remat = e(base_dtype="float16", mixed_precision=True, platform="gpu", gradient_checkpointing=True)
+    assert no_remat > 12 * remat  # every layer's bf16 copy without remat, one layer's (+ the head's) with it
+    # XLA:CPU runs bf16 dots in float32: float32 copies of the whole base, remat or not (fitted).
+    assert e(base_dtype="bfloat16") == e(base_dtype="bfloat16", gradient_checkpointing=True) > 2 * no_remat * 0.9
+
+
+def test_bad_fine_tuning_arguments_are_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no such config.json"):
+        estimate_memory_usage(0, 256, 1, model=tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="only a frozen LoRA base"):
+        estimate_memory_usage(0, 256, 1, model=MISTRAL, base_dtype="float16")
+    with pytest.raises(ConfigError, match="base_dtype 'int8'"):
+        estimate_memory_usage(0, 256, 1, model=MISTRAL, lora_rank=16, base_dtype="int8")
+
+
+def test_hf_config_is_the_loaders_shape_and_the_plan_imports_no_jax():
+    from slm.io.hf_import import shape_from_hf_config as loader
+
+    for cfg in sorted((ROOT.parent / "shared" / "models").glob("*/config.json")):
+        assert loader(json.loads(cfg.read_text())) == shape_from_hf_config(json.loads(cfg.read_text()))
+    code = ("import sys; from slm.memory.estimate import fit_to_budget; "
+            f"fit_to_budget('24GB', 512, 2, 8, model={str(MISTRAL)!r}, lora_rank=16, base_dtype='float16'); "
+            "assert 'jax' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
