@@ -17,7 +17,19 @@ _RU_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macO
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process in MB (getrusage)."""
+    """Peak resident set size of this process in MB: VmHWM on Linux, else getrusage.
+
+    Not getrusage on Linux: its ru_maxrss survives execve, so a trainer started from a big process (a
+    notebook kernel, a test runner: fork + exec) would report its parent's RSS as its own peak (a 1.2 GB
+    pytest worker's, measured). VmHWM belongs to the address space exec created.
+    """
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RU_UNIT / MB
 
 
