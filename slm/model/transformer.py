@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from slm.model.lora import LoraSpec, adapted
 from slm.model.sizing import ModelShape
 
 Dtype = Any
@@ -112,12 +113,15 @@ def dense(features: int, name: str, dtype: Dtype, std: float, bias: bool = False
     )
 
 
-def project_qkv(shape: ModelShape, dtype: Dtype, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One fused projection (named "qkv", inside the calling module) -> q (B, L, H, K), k and v (B, L, G, K);
-    G = H without grouped-query attention, when the kernel is (D, 3D) as it always was."""
+def project_qkv(shape: ModelShape, dtype: Dtype, x_BxLxD: jax.Array, module: nn.Module | None = None,
+                lora: LoraSpec | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One fused projection (named "qkv", inside the calling `module`) -> q (B, L, H, K), k and v (B, L, G, K);
+    G = H without grouped-query attention, when the kernel is (D, 3D) as it always was. With `lora`, the
+    module's q/k/v adapters add to their columns."""
     B, L, _ = x_BxLxD.shape
     H, G, K = shape.n_heads, shape.kv_heads, shape.head_dim
-    qkv = dense((H + 2 * G) * K, "qkv", dtype, 0.02, bias=shape.qkv_bias)(x_BxLxD).reshape(B, L, H + 2 * G, K)
+    qkv = dense((H + 2 * G) * K, "qkv", dtype, 0.02, bias=shape.qkv_bias)(x_BxLxD)
+    qkv = adapted(module, lora, qkv, x_BxLxD, "qkv").reshape(B, L, H + 2 * G, K)
     return qkv[:, :, :H], qkv[:, :, H:H + G], qkv[:, :, H + G:]
 
 
@@ -144,45 +148,49 @@ def attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mas
 class Attention(nn.Module):
     shape: ModelShape
     dtype: Dtype
+    lora: LoraSpec | None = None
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         H, K, theta = self.shape.n_heads, self.shape.head_dim, self.shape.rope_theta
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
-        q, k, v = project_qkv(self.shape, self.dtype, x_BxLxD)
+        q, k, v = project_qkv(self.shape, self.dtype, x_BxLxD, self, self.lora)
         if layout is None:  # one causal sequence
             q, k, mask = rotary(q, theta), rotary(k, theta), jnp.tril(jnp.ones((L, L), dtype=bool))
         else:  # packed documents kept apart (document_layout)
             pos_BxL, mask = layout
             q, k = rotary_positions(q, pos_BxL, theta), rotary_positions(k, pos_BxL, theta)
-        out_BxLxHxK = attend(q, k, v, mask, self.dtype)
-        return dense(D, "o", self.dtype, out_std)(out_BxLxHxK.reshape(B, L, H * K))
+        out_BxLxHK = attend(q, k, v, mask, self.dtype).reshape(B, L, H * K)
+        return adapted(self, self.lora, dense(D, "o", self.dtype, out_std)(out_BxLxHK), out_BxLxHK, "o")
 
 
 class SwiGLU(nn.Module):
     shape: ModelShape
     dtype: Dtype
+    lora: LoraSpec | None = None
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         F = self.shape.d_ff
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
-        gate_up_BxLx2F = dense(2 * F, "gate_up", self.dtype, 0.02)(x_BxLxD)
+        gate_up_BxLx2F = adapted(self, self.lora, dense(2 * F, "gate_up", self.dtype, 0.02)(x_BxLxD), x_BxLxD, "gate_up")
         gate, up = jnp.split(gate_up_BxLx2F, 2, axis=-1)
-        return dense(self.shape.d_model, "down", self.dtype, out_std)(nn.silu(gate) * up)
+        h_BxLxF = nn.silu(gate) * up
+        return adapted(self, self.lora, dense(self.shape.d_model, "down", self.dtype, out_std)(h_BxLxF), h_BxLxF, "down")
 
 
 class Block(nn.Module):
     shape: ModelShape
     dtype: Dtype
+    lora: LoraSpec | None = None
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         eps = self.shape.norm_eps
-        attn = Attention(self.shape, self.dtype, name="attn")
+        attn = Attention(self.shape, self.dtype, self.lora, name="attn")
         x_BxLxD = x_BxLxD + attn(RMSNorm(eps, name="attn_norm")(x_BxLxD), layout)
-        x_BxLxD = x_BxLxD + SwiGLU(self.shape, self.dtype, name="mlp")(RMSNorm(eps, name="mlp_norm")(x_BxLxD))
+        x_BxLxD = x_BxLxD + SwiGLU(self.shape, self.dtype, self.lora, name="mlp")(RMSNorm(eps, name="mlp_norm")(x_BxLxD))
         return x_BxLxD
 
 
@@ -193,6 +201,7 @@ class Transformer(nn.Module):
     dtype: Dtype = jnp.float32
     remat: bool = False  # gradient checkpointing: recompute each block's activations in backward
     doc_start: int | None = None  # document masking: the token each packed document begins at (None: off)
+    lora: LoraSpec | None = None  # adapters on a frozen base (slm.model.lora)
 
     @nn.compact
     def __call__(self, ids_BxL: jax.Array) -> jax.Array:
@@ -203,7 +212,7 @@ class Transformer(nn.Module):
         layout = None if self.doc_start is None else document_layout(ids_BxL, self.doc_start)
         block_cls = nn.remat(Block, prevent_cse=True) if self.remat else Block
         for i in range(self.shape.n_layers):
-            x_BxLxD = block_cls(self.shape, self.dtype, name=f"block_{i}")(x_BxLxD, layout)
+            x_BxLxD = block_cls(self.shape, self.dtype, self.lora, name=f"block_{i}")(x_BxLxD, layout)
         x_BxLxD = RMSNorm(self.shape.norm_eps, name="final_norm")(x_BxLxD)
         head_VxD = head_weights(self, embed_VxD).astype(self.dtype)
         return jnp.einsum("bld,vd->blv", x_BxLxD, head_VxD, preferred_element_type=jnp.float32)
@@ -222,9 +231,18 @@ def init_params(model: Transformer, seed: int, seq_len: int) -> Any:
     return jax.jit(model.init)(jax.random.PRNGKey(seed), ids)["params"]
 
 
-def token_nll(model: Transformer, params: Any, ids_BxL: jax.Array, targets_BxL: jax.Array) -> jax.Array:
-    """Per-token negative log-likelihood in nats, float32, shape (B, L)."""
-    logits_BxLxV = model.apply({"params": params}, ids_BxL)
+def token_nll(model: Transformer, params: Any, ids_BxL: jax.Array, targets_BxL: jax.Array,
+              dropout_rng: jax.Array | None = None) -> jax.Array:
+    """Per-token negative log-likelihood in nats, float32, shape (B, L); 0 where the target is negative
+    (instruction data: not a response token). `dropout_rng` turns LoRA dropout on (training)."""
+    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+    logits_BxLxV = model.apply({"params": params}, ids_BxL, rngs=rngs)
     logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
-    target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
-    return logz_BxL - target_logit_BxL
+    keep_BxL = targets_BxL >= 0
+    target_logit_BxL = jnp.take_along_axis(logits_BxLxV, jnp.maximum(targets_BxL, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(keep_BxL, logz_BxL - target_logit_BxL, 0.0)
+
+
+def mean_nll(nll_BxL: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+    """The mean over scored tokens (targets >= 0): plain data scores all of them."""
+    return jnp.sum(nll_BxL) / jnp.maximum(jnp.sum(targets_BxL >= 0), 1)

@@ -9,6 +9,7 @@ a run directory's parameters on one device, whatever mesh saved them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -24,6 +25,7 @@ from slm.data.tokenizer import SpecialIds, load_tokenizer, special_ids
 from slm.errors import RunError, TokenizerError, first_line
 from slm.io.checkpoints import Checkpointer
 from slm.memory.host import MB
+from slm.model.lora import LoraSpec, split
 from slm.model.sizing import ModelShape
 from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
@@ -48,13 +50,26 @@ class StepSpec:
     sharding: str = "dp"
     seed: int = 0
     doc_start: int | None = None  # document masking: the token packed documents begin at
+    lora: LoraSpec | None = None  # adapters train, the base is frozen (an input of the step)
+    base_dtype: str = "float32"  # the frozen base's dtype, with lora
 
     @classmethod
     def from_config(cls, c: Any, shape: ModelShape, doc_start: int | None = None) -> StepSpec:
         """The spec of a slm.train.config.Config (or a run's config.json as a namespace)."""
         return cls(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, c.use_mixed_precision,
                    c.gradient_checkpointing, c.use_8bit_optimizer, c.weight_decay, c.grad_clip, c.sharding, c.seed,
-                   doc_start)
+                   doc_start, lora_spec(c), getattr(c, "base_dtype", "float32"))
+
+
+def lora_spec(c: Any) -> LoraSpec | None:
+    """The LoRA of a Config or a run's config (a namespace or dict); None for full training."""
+    get = c.get if isinstance(c, dict) else lambda k, d=None: getattr(c, k, d)
+    if not get("lora_rank"):
+        return None
+    targets = get("lora_targets", "q_proj,v_proj")
+    targets = targets.split(",") if isinstance(targets, str) else targets
+    return LoraSpec(int(get("lora_rank")), float(get("lora_alpha", 16.0)), float(get("lora_dropout", 0.0)),
+                    tuple(t.strip() for t in targets if t.strip()))
 
 
 @dataclass
@@ -68,22 +83,46 @@ class Built:
     state_sharding: Any
     batch_sharding: Any
     abstract: TrainState
+    base_abstract: Any = None  # LoRA: the frozen base's shapes in its dtype (None: full training)
+    base_sharding: Any = None
 
 
 def model_and_optimizer(spec: StepSpec) -> tuple[Transformer, optax.GradientTransformation, TrainState]:
     """The Flax model, the optax transformation and the state's shapes (jax.eval_shape: nothing allocated)."""
     model = Transformer(spec.shape, dtype=jnp.bfloat16 if spec.mixed_precision else jnp.float32, remat=spec.remat,
-                        doc_start=spec.doc_start)
+                        doc_start=spec.doc_start, lora=spec.lora)
     tx = make_optimizer(spec.weight_decay, spec.grad_clip, spec.accumulation, use_8bit=spec.use_8bit)
-    return model, tx, jax.eval_shape(lambda: fresh_state(init_params(model, spec.seed, spec.seq_len), tx))
+    return model, tx, jax.eval_shape(lambda: fresh_state(trainable_init(model, spec), tx))
+
+
+def trainable_init(model: Transformer, spec: StepSpec) -> Any:
+    """The trained parameters at step 0 (traced): all of them, or with LoRA only the adapters (jit drops the
+    base's random init, which nothing uses)."""
+    params = init_params(model, spec.seed, spec.seq_len)
+    return params if spec.lora is None else split(params)[1]
+
+
+def base_shapes(model: Transformer, spec: StepSpec) -> Any:
+    """LoRA: the frozen base's shapes in --base-dtype; None for full training."""
+    if spec.lora is None:
+        return None
+    dtype = jnp.dtype(spec.base_dtype)
+    base = split(jax.eval_shape(lambda: init_params(model, spec.seed, spec.seq_len)))[0]
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), base)
 
 
 def build(spec: StepSpec, mesh: Any) -> Built:
     """Model, optimizer and the state's shardings on `mesh` (nothing allocated)."""
     model, tx, abstract = model_and_optimizer(spec)
-    state_sharding = state_shardings(abstract, mesh, spec.sharding)
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sharding)
-    return Built(spec, model, tx, mesh, state_sharding, shardings(mesh)[1], abstract)
+
+    def placed(tree: Any) -> tuple[Any, Any]:
+        sh = state_shardings(tree, mesh, spec.sharding)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh), sh
+
+    abstract, state_sharding = placed(abstract)
+    base = base_shapes(model, spec)
+    base_abstract, base_sharding = placed(base) if base is not None else (None, None)
+    return Built(spec, model, tx, mesh, state_sharding, shardings(mesh)[1], abstract, base_abstract, base_sharding)
 
 
 def training_mesh(batch_size: int, devices_chosen: bool) -> Any:
@@ -115,21 +154,55 @@ def compile_step(built: Built) -> tuple[Any, float, float]:
     batch = {k: jax.ShapeDtypeStruct((spec.batch_size, spec.seq_len), jnp.int32, sharding=built.batch_sharding)
              for k in ("input_ids", "targets")}
     t0 = time.time()
-    step = make_train_step(built.model, built.tx, built.state_sharding, built.batch_sharding)
-    mem = compiled_memory(step, built.abstract, batch, np.float32(0))
+    step = make_train_step(built.model, built.tx, built.state_sharding, built.batch_sharding, built.base_sharding,
+                           spec.seed)
+    base = () if built.base_abstract is None else (built.base_abstract,)
+    mem = compiled_memory(step, built.abstract, batch, np.float32(0), *base)
     return mem["compiled"], time.time() - t0, mem["peak"] / MB
 
 
 def init_state(built: Built, params: Any = None) -> TrainState:
     """The step-0 state, built in place with its final layout (under FSDP no device holds the whole state):
-    from a random init, or from `params` (--init-from's weights, host arrays)."""
+    from a random init, or from `params` (--init-from's weights, host arrays). With LoRA the state holds
+    the fresh adapters only; `params` is the base (see place_base)."""
     spec = built.spec
-    if params is not None:
+    if params is not None and spec.lora is None:
         # donated: the params move into the state's layout instead of being copied beside it
         return jax.jit(lambda p: fresh_state(p, built.tx), out_shardings=built.state_sharding,
                        donate_argnums=0)(params)
-    return jax.jit(lambda: fresh_state(init_params(built.model, spec.seed, spec.seq_len), built.tx),
+    return jax.jit(lambda: fresh_state(trainable_init(built.model, spec), built.tx),
                    out_shardings=built.state_sharding)()
+
+
+def place_base(built: Built, params: Any) -> Any:
+    """LoRA: the pretrained weights as the frozen base, in --base-dtype and the base's layout, one array at a
+    time (load_pretrained already read them in that dtype; an array already in place is not copied)."""
+    dtype = jnp.dtype(built.spec.base_dtype)
+    return jax.tree.map(lambda x, s: jax.device_put(x if x.dtype == dtype else x.astype(dtype), s), params,
+                        built.base_sharding)
+
+
+def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True) -> tuple[ModelShape, Any, str | None, str]:
+    """(shape, params on the default device in `dtype` or None, sha256 of the weights as read, what they were)
+    of a Hugging Face folder or of one of this trainer's runs (its newest checkpoint). Each tensor goes to
+    the device as soon as it is read and hashed: never all of them twice on the host."""
+    from slm.io.hf_import import load_hf_folder
+
+    target = np.dtype(jnp.dtype(dtype))
+    digest = hashlib.sha256()
+
+    def place(x: np.ndarray) -> Any:
+        digest.update(np.ascontiguousarray(x).data)
+        return jax.device_put(x.astype(target, copy=False))
+
+    if os.path.isdir(os.path.join(folder, "checkpoints")):  # a run of this trainer
+        run = load_run(folder)
+        params = jax.tree.map(lambda x: place(np.asarray(x)), run.params) if weights else None
+        shape, what = run.shape, f"step {run.step} of the run"
+    else:
+        shape, params, _ = load_hf_folder(folder, weights=weights, place=place)
+        what = "safetensors"
+    return shape, params, digest.hexdigest() if params is not None else None, what
 
 
 @dataclass
@@ -178,7 +251,7 @@ def _restore(run_dir: str, step: int | None, tokenizer: Any, special: SpecialIds
         config = json.load(f)
     shape = ModelShape(**config["model"])
     spec = StepSpec(shape, 8, 1, config["gradient_accumulation_steps"], use_8bit=config.get("use_8bit_optimizer", False),
-                    weight_decay=config["weight_decay"], grad_clip=config["grad_clip"])
+                    weight_decay=config["weight_decay"], grad_clip=config["grad_clip"], lora=lora_spec(config))
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # whatever mesh saved it
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
                             model_and_optimizer(spec)[2])
@@ -190,4 +263,18 @@ def _restore(run_dir: str, step: int | None, tokenizer: Any, special: SpecialIds
         state, meta, _ = ckpt.restore(abstract, step)
     finally:
         ckpt.close()
-    return LoadedRun(config, shape, state.params, tokenizer, special, int(meta["step"]))
+    params = state.params if spec.lora is None else _with_base(run_dir, config, state.params, spec.lora)
+    return LoadedRun(config, shape, params, tokenizer, special, int(meta["step"]))
+
+
+def _with_base(run_dir: str, config: dict, adapters: Any, lora: LoraSpec) -> Any:
+    """A LoRA run's model: its --init-from base (the same weights: sha256 checked) with the adapters folded in."""
+    from slm.io.hf_import import resolve_pretrained
+    from slm.model.lora import fold, merge
+
+    folder, _ = resolve_pretrained(config["init_from"], config.get("init_revision"), lambda *_: None)
+    shape, base, fingerprint, _ = load_pretrained(folder)
+    if config.get("base_fingerprint") and fingerprint != config["base_fingerprint"]:
+        raise RunError(f"{run_dir}: its base {config['init_from']} has changed since training (sha256 "
+                       f"{fingerprint[:12]}..., trained on {config['base_fingerprint'][:12]}...)")
+    return fold(merge(base, adapters), shape, lora)

@@ -128,6 +128,8 @@ class RunFacts:
     eval_dataset: str
     model: dict
     params: int
+    trainable_params: int  # params without LoRA; the adapters' with it
+    base_fingerprint: str | None  # --init-from: sha256 of the pretrained weights as read
     model_flops_per_token: int
     optimizer_state_bytes: int
     memory_plan: dict

@@ -9,6 +9,7 @@ import numpy as np
 
 from slm.data.heldout import EvalSet
 from slm.model.generate import Decoder, generate_ids
+from slm.model.lora import LoraSpec, fold, merge
 from slm.model.transformer import Transformer
 from slm.train.devices import Processes, replicated_batch
 from slm.train.interrupts import SignalWatcher
@@ -20,15 +21,18 @@ class Evaluator:
     samples a sequence from the tokens a document starts after (`start_ids`) with the KV-cache decoder."""
 
     def __init__(self, model: Transformer, eval_set: EvalSet, batch_size: int, batch_sharding: Any, tokenizer: Any,
-                 start_ids: list[int], seq_len: int, seed: int, procs: Processes, signals: SignalWatcher, samples_path: str | None):
+                 start_ids: list[int], seq_len: int, seed: int, procs: Processes, signals: SignalWatcher,
+                 samples_path: str | None, base: Any = None, lora: LoraSpec | None = None):
         self.model, self.eval_set, self.batch_size, self.batch_sharding = model, eval_set, batch_size, batch_sharding
         self.tokenizer, self.start_ids, self.seq_len, self.seed = tokenizer, start_ids, seq_len, seed
         self.procs, self.signals, self.samples_path = procs, signals, samples_path
+        self.base, self.lora = base, lora  # LoRA: the trained params are the adapters of this frozen base
         self.eval_step = make_eval_step(model)
         self.decoder = Decoder(model)
 
     def score(self, params: Any) -> tuple[float, float] | None:
         """(sum of nats, tokens scored); None when a signal arrives meanwhile (the run saves and stops)."""
+        params = params if self.base is None else merge(self.base, params)
         nats, count = 0.0, 0.0
         B, es = self.batch_size, self.eval_set
         for i in range(0, len(es.inputs), B):
@@ -43,7 +47,10 @@ class Evaluator:
         return nats, count
 
     def sample(self, params: Any, step: int) -> str:
-        """A seq_len-token sample (temperature 0.8, top-k 40; key from seed + step), also appended to samples.txt."""
+        """A seq_len-token sample (temperature 0.8, top-k 40; key from seed + step), also appended to samples.txt.
+        With LoRA the adapters are folded into their kernels first (the KV-cache decoder applies plain kernels)."""
+        if self.base is not None:
+            params = fold(merge(self.base, params), self.model.shape, self.lora)
         ids = generate_ids(self.model, params, self.start_ids, self.seq_len - len(self.start_ids), decoder=self.decoder,
                            temperature=0.8, top_k=40, key=jax.random.PRNGKey(self.seed + step))
         text = self.tokenizer.decode(ids[0].tolist())

@@ -54,7 +54,7 @@ class Timings:
 
 # Keys of RunState saved in each checkpoint's meta record (with "processes"), the names older runs used.
 SAVED = ("step", "tokens", "epoch", "micro_step", "epoch_micro", "warmup_end", "est_total_tokens", "data_digest",
-         "skipped_nonfinite")
+         "skipped_nonfinite", "base_fingerprint")
 
 
 @dataclass
@@ -71,6 +71,7 @@ class RunState:
     est_total_tokens: float | None = None  # epochs-bounded runs: the schedule's length
     data_digest: str = ""  # sha256 chained over every micro-batch consumed
     skipped_nonfinite: int = 0
+    base_fingerprint: str | None = None  # LoRA: sha256 of the frozen base the adapters were trained on
     # this process's view, not saved
     lr: float = 0.0
     losses: list = field(default_factory=list)  # per micro-step loss (device scalars) since the last log

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from slm.data.heldout import EvalSet, build_eval_set, held_out_split
+from slm.data.instruction import load_chat_template
 from slm.data.mixture import Mixture, normalized
 from slm.data.packing import prepare_sequences
 from slm.data.sources import HubDataset, LocalFiles, TextSource, resolve_source
@@ -120,13 +121,16 @@ class TrainData:
     data_mb: float  # the data pipeline's host memory
     rows: tuple[np.ndarray, np.ndarray] | None  # full load: this process's (inputs, targets)
     init_params: dict | None = None  # --init-from: the pretrained weights (None when resuming: the checkpoint has them)
+    base_fingerprint: str | None = None  # --init-from: sha256 of the weights as read (a LoRA checkpoint records it)
+    chat_template: str | None = None  # --chat-template: the template string that formats each example
 
 
 def eval_source_of(c: Config, source: TextSource, log: Log) -> TextSource | None:
     """--eval-dataset-id (a hub id: its validation split when it has one), else the source's own split."""
     if not c.eval_dataset_id:
         return source.validation()
-    eval_source = resolve_source(c.eval_dataset_id, text_column=c.text_column, flag="--eval-dataset-id", log=log)
+    eval_source = resolve_source(c.eval_dataset_id, text_column=c.text_column, flag="--eval-dataset-id", log=log,
+                                 prompt_column=c.prompt_column, response_column=c.response_column)
     if isinstance(eval_source, HubDataset):
         eval_source = eval_source.validation() or eval_source
     return eval_source
@@ -147,7 +151,7 @@ def hold_out_head(c: Config, source: TextSource, tokens: int | None = None) -> l
 
 
 def make_tokenizer(c: Config, source: TextSource, skip_documents: int, out: str, procs: Processes,
-                   log: Log) -> tuple[Any, SpecialIds, float]:
+                   log: Log, chat_template: str | None = None) -> tuple[Any, SpecialIds, float]:
     """--tokenizer, or a BPE trained on the training stream (on process 0, sent to the others: no shared
     filesystem needed); saved as the run's tokenizer.json with a tokenizer_config.json naming its separator.
     Returns (tokenizer, its special ids, seconds)."""
@@ -163,7 +167,7 @@ def make_tokenizer(c: Config, source: TextSource, skip_documents: int, out: str,
         seconds = time.time() - t
         special = special_ids(tok, c.tokenizer)
         tok.save(os.path.join(out, "tokenizer.json"))
-        write_special_config(os.path.join(out, "tokenizer_config.json"), tok, special)
+        write_special_config(os.path.join(out, "tokenizer_config.json"), tok, special, chat_template)
         return [tok.to_str() if procs.count > 1 else tok, [special.eos, special.bos, special.found], seconds]
 
     tok, special, seconds = procs.decide0(build)
@@ -177,7 +181,8 @@ def training_source(c: Config, log: Log) -> TextSource:
     """--dataset-id, or the weighted Mixture of several (each resolved as one would be)."""
     ids = c.dataset_id if isinstance(c.dataset_id, list) else [c.dataset_id]
     sources = [resolve_source(d, dataset_config=c.dataset_config, split=c.split, text_column=c.text_column,
-                              streaming=c.use_streaming, log=log) for d in ids]
+                              streaming=c.use_streaming, log=log, prompt_column=c.prompt_column,
+                              response_column=c.response_column) for d in ids]
     if len(sources) == 1:
         return sources[0]
     return Mixture(" + ".join(s.name for s in sources), sources, normalized(c.dataset_weights or [], len(sources)))
@@ -197,29 +202,31 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
     source = training_source(c, log)
     eval_source = eval_source_of(c, source, log)
     heldout = held_out_docs(c, source) if eval_source is None else []
-    init_shape, init_params = pretrained(c, log) if c.init_from else (None, None)
-    tokenizer, special, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log)
+    init_shape, init_params, fingerprint = pretrained(c, log) if c.init_from else (None, None, None)
+    chat_template = load_chat_template(c.tokenizer) if c.chat_template else None  # after --init-from set c.tokenizer
+    tokenizer, special, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log, chat_template)
     shape = init_shape or choose_shape(c.target_params, tokenizer.get_vocab_size(), c.n_layers, c.d_model, c.n_heads)
     c.learning_rate = c.learning_rate or default_learning_rate(count_params(shape))
     if eval_source is not None:
         whole = isinstance(eval_source, LocalFiles)  # a separate local file is scored whole, a hub split capped
         eval_set = build_eval_set(eval_source.documents(), tokenizer, c.seq_len, None if whole else c.eval_tokens,
-                                  eval_source.name, special)
+                                  eval_source.name, special, chat_template)
     else:
         eval_set = build_eval_set(heldout, tokenizer, c.seq_len, c.eval_tokens, f"{source.name} (held-out head)",
-                                  special)
+                                  special, chat_template)
     rows = None
     if c.use_streaming:
         data_mb = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size)["streaming_mb"]
     else:
         inputs, targets = prepare_sequences(source, tokenizer, c.seq_len, c.stride, c.max_examples, len(heldout),
-                                            special=special)
+                                            special=special, chat_template=chat_template)
         rows = inputs[procs.index::procs.count], targets[procs.index::procs.count]  # this process's rows
         if len(rows[0]) < c.batch_size // procs.count:
             raise DatasetError(f"{source.name}: {len(rows[0])} sequences, fewer than --batch-size {c.batch_size}")
         data_mb = (rows[0].nbytes + rows[1].nbytes) / 2**20
         log(f"[data] full load: {rows[0].shape[0]:,} sequences, {data_mb:.1f} MB in memory")
-    return TrainData(source, tokenizer, special, tok_s, eval_set, len(heldout), shape, data_mb, rows, init_params)
+    return TrainData(source, tokenizer, special, tok_s, eval_set, len(heldout), shape, data_mb, rows, init_params,
+                     fingerprint, chat_template)
 
 
 def doc_start(c: Config, data: TrainData) -> int | None:
@@ -232,11 +239,12 @@ def doc_start(c: Config, data: TrainData) -> int | None:
     return data.special.start[0]
 
 
-def pretrained(c: Config, log: Log) -> tuple[Any, dict | None]:
-    """--init-from: (shape, weights) of a Hugging Face folder (a hub id is downloaded, its commit pinned in
-    --init-revision) or of one of this trainer's runs (its newest checkpoint); its tokenizer.json becomes
-    --tokenizer. On --resume only the shape is read."""
-    from slm.io.hf_import import load_hf_folder, resolve_pretrained
+def pretrained(c: Config, log: Log) -> tuple[Any, dict | None, str | None]:
+    """--init-from: (shape, weights, their sha256) of a Hugging Face folder (a hub id is downloaded, its commit
+    pinned in --init-revision) or of one of this trainer's runs (its newest checkpoint); its tokenizer.json
+    becomes --tokenizer. On --resume only the shape is read, unless LoRA needs the frozen base again. A
+    LoRA base goes to the device in --base-dtype as each tensor is read."""
+    from slm.io.hf_import import resolve_pretrained
 
     folder, c.init_revision = resolve_pretrained(c.init_from, c.init_revision, log)
     if not c.tokenizer:
@@ -245,19 +253,15 @@ def pretrained(c: Config, log: Log) -> tuple[Any, dict | None]:
     configure_cpu_devices(c.cpu_devices)  # jax's backend starts below, not in plan_step as usual
     import jax  # the weights go to the device as each layer is read: never all of them twice on the host
 
-    if os.path.isdir(os.path.join(folder, "checkpoints")):  # a run of this trainer
-        from slm.train.builder import load_run
+    from slm.train.builder import load_pretrained
 
-        run = load_run(folder)  # restored on one device: handed on as host arrays, laid out by the builder
-        params = None if c.resume else jax.tree.map(np.asarray, run.params)
-        shape, what = run.shape, f"step {run.step} of the run"
-    else:
-        shape, params, _ = load_hf_folder(folder, weights=not c.resume, place=jax.device_put)
-        what = "safetensors"
-    if params is not None:
-        log(f"[init] {c.init_from}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M parameters loaded from "
-            f"{what} in {time.time() - t:.1f}s")
-    return shape, params
+    need = not c.resume or c.lora_rank is not None
+    shape, params, fingerprint, what = load_pretrained(folder, c.base_dtype if c.lora_rank else "float32", need)
+    if params is None:
+        return shape, None, None
+    log(f"[init] {c.init_from}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M parameters loaded from {what} in "
+        f"{time.time() - t:.1f}s{f' as the frozen {c.base_dtype} base' if c.lora_rank else ''}")
+    return shape, params, fingerprint
 
 
 FIT_KEYS = ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "use_mixed_precision",

@@ -29,7 +29,7 @@ from slm.data.mixture import Mixture, MixtureLoader
 from slm.data.packing import full_load_batches
 from slm.data.stream import StreamingDataLoader
 from slm.data.tokenizer import sample_start
-from slm.errors import ConfigError, DatasetError
+from slm.errors import ConfigError, DatasetError, RunError
 from slm.io.checkpoints import Checkpointer
 from slm.io.metrics import MetricsLog
 from slm.io.tracking import Trackers
@@ -110,11 +110,13 @@ class DeviceStep:
     batch_sharding: Any
     sync: bool
     flush: Any = None  # slm.train.step.make_flush_step's, with accumulation: compiled if the data ends mid-step
+    base: Any = None  # LoRA: the frozen base, an input of every step
 
     def __call__(self, state: Any, batch: dict, lr: np.float32) -> tuple[Any, dict]:
         from slm.train.devices import global_batch
 
-        state, metrics = self.compiled(state, global_batch(batch, self.batch_sharding), lr)
+        base = () if self.base is None else (self.base,)
+        state, metrics = self.compiled(state, global_batch(batch, self.batch_sharding), lr, *base)
         if self.sync:
             metrics["loss"].block_until_ready()
         return state, metrics
@@ -144,7 +146,7 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
     import jax
 
     from slm.memory.monitor import jax_device_bytes
-    from slm.train.builder import init_state
+    from slm.train.builder import init_state, place_base
     from slm.train.devices import device_bytes, needs_step_sync
 
     procs, mesh = env.procs, built.mesh
@@ -152,22 +154,25 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
         raise ConfigError(f"--batch-size {c.batch_size} does not split evenly over {procs.count} processes; "
                           f"use a multiple of {procs.count}")
     env.monitor.device_bytes = jax_device_bytes(mesh.devices.flat[0])
-    state = init_state(built, data.init_params)
-    data.init_params = None  # the state holds them now: free the host copy
+    lora = built.spec.lora is not None
+    base = place_base(built, data.init_params) if lora else None
+    state = init_state(built, None if lora else data.init_params)
+    data.init_params = None  # the state (or the base) holds them now: free the host copy
     lplan = loop_plan(c, data, env.start)
     peak = peak_flops(mesh, procs)
-    facts, resolved = write_config(c, data, built, plan, state, lplan, peak, env)
-    assert sum(x.size for x in jax.tree.leaves(state.params)) == facts.params
+    facts, resolved = write_config(c, data, built, plan, (state, base), lplan, peak, env)
+    assert sum(x.size for x in jax.tree.leaves(state.params)) == facts.trainable_params
     ckpt = Checkpointer(os.path.join(env.out, "checkpoints"), keep=c.keep_checkpoints, log=env.log)
     env.stack.callback(ckpt.close)
     check_disk(c, env, state)
     run, resumed = restore(c, ckpt, state, estimated_total_tokens(c, data), env)
+    check_base(c, run, data.base_fingerprint if lora else None, env.out)
     loader = None
     if c.use_streaming:  # built now: --auto-fit may have changed the micro-batch
         loader = make_loader(c, data, procs, env.log)
     batches = Batches(loader, data.rows, c.batch_size // procs.count, c.seed, resumed.get("loader"),
                       run.epoch_micro)
-    callbacks = make_callbacks(c, data, built, facts, resolved, peak[0], ckpt, loader, env, resumed) + extra
+    callbacks = make_callbacks(c, data, built, facts, resolved, peak[0], ckpt, loader, env, resumed, base) + extra
     closing = env.stack.enter_context(ExitStack())  # each callback closed once: at the end, or on an error
     for cb in reversed(callbacks):
         closing.callback(cb.close)
@@ -176,7 +181,7 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
     if c.max_steps == 0:  # --init-from with --max-steps 0: the pretrained model evaluated and saved as a run
         run.stop("--max-steps 0")
     else:
-        run_loop(run, DeviceStep(compiled, built.batch_sharding, needs_step_sync(mesh), flush), batches.open,
+        run_loop(run, DeviceStep(compiled, built.batch_sharding, needs_step_sync(mesh), flush, base), batches.open,
                  callbacks, lplan, procs, env.clock, resumed=bool(resumed))
     if run.step == 0 and c.max_steps != 0:
         raise DatasetError(f"{data.source.name}: no complete optimizer step was possible; use more data or a "
@@ -189,8 +194,8 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
     return summarize(c, run, data, facts, plan, peak[0], env, resumed, device_bytes(run.train_state) / 2**20, sources)
 
 
-def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state: Any, lplan: LoopPlan,
-                 peak: tuple[float, str], env: Env) -> tuple[RunFacts, dict]:
+def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state_base: tuple[Any, Any],
+                 lplan: LoopPlan, peak: tuple[float, str], env: Env) -> tuple[RunFacts, dict]:
     """config.json (the resolved settings and the run's facts; process 0), and the run's opening lines.
     Returns (the facts, config.json's contents)."""
     import jax
@@ -198,12 +203,15 @@ def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state
     from slm.optim.adam8bit import state_bytes
     from slm.train.devices import device_bytes
 
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    state, base = state_base
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves((state.params, base)))
+    trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     opt_bytes = state_bytes(state.opt_state)  # == slm.model.sizing.optimizer_state_bytes (tested)
     mesh, procs = built.mesh, env.procs
     device = mesh.devices.flat[0]
     facts = RunFacts(dataset=data.source.name, eval_dataset=data.eval_set.name, model=data.shape.to_dict(),
-                     params=n_params, model_flops_per_token=flops_per_token(data.shape, c.seq_len),
+                     params=n_params, trainable_params=trainable, base_fingerprint=data.base_fingerprint,
+                     model_flops_per_token=flops_per_token(data.shape, c.seq_len),
                      optimizer_state_bytes=opt_bytes, memory_plan=plan.record(),
                      held_out_documents=data.held_out_documents, device=str(device), devices=int(mesh.devices.size),
                      processes=procs.count, jax_version=jax.__version__)
@@ -217,10 +225,14 @@ def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state
     env.log(f"[model] {describe(data.shape, c.seq_len)}")
     env.log(f"[optimizer] AdamW, {'8-bit block-quantized' if c.use_8bit_optimizer else 'float32'} moments"
             f"{', MultiSteps x' + str(acc) if acc > 1 else ''}: state {opt_bytes / 2**20:,.2f} MB "
-            f"({opt_bytes / n_params:.2f} bytes/param)")
+            f"({opt_bytes / trainable:.2f} bytes/trained param)")
+    if base is not None:
+        env.log(f"[lora] rank {c.lora_rank} on {c.lora_targets}, alpha {c.lora_alpha:g}, dropout {c.lora_dropout:g}: "
+                f"{trainable:,} trainable of {n_params:,} params ({trainable / n_params:.3%}); base frozen in "
+                f"{c.base_dtype} ({device_bytes(base) / 2**20:,.1f} MB/device)")
     env.log(f"[run] {n_dev} {device.platform} device(s){f' in {procs.count} processes' if procs.count > 1 else ''}, "
             f"batch split over them, state {'split (fsdp)' if c.sharding == 'fsdp' and n_dev > 1 else 'replicated (dp)'}: "
-            f"{device_bytes(state) / 2**20:,.1f} MB/device; peak {peak[0] / 1e9:,.0f} GFLOP/s ({peak[1]}); "
+            f"{device_bytes((state, base)) / 2**20:,.1f} MB/device; peak {peak[0] / 1e9:,.0f} GFLOP/s ({peak[1]}); "
             f"{c.batch_size * c.seq_len * acc:,} tokens/step; eval on {data.eval_set.name}: "
             f"{int(data.eval_set.mask.sum()):,} tokens; out {env.out}")
     return facts, resolved
@@ -253,6 +265,7 @@ def make_loader(c: Config, data: TrainData, procs: Processes, log: Callable[[str
     """The streaming loader of this process's part of the data: one source's, or a mixture's."""
     common = {"seq_len": c.seq_len, "batch_size": c.batch_size // procs.count, "seed": c.seed, "special": data.special,
               "shuffle_buffer_size": c.shuffle_buffer_size, "stride": c.stride, "max_examples": c.max_examples,
+              "chat_template": data.chat_template,
               "shard": (procs.index, procs.count) if procs.count > 1 else None}
     if isinstance(data.source, Mixture):
         return MixtureLoader(data.source, data.tokenizer, on_exhausted=c.mixture_exhausted, log=log, **common)
@@ -266,6 +279,18 @@ def estimated_total_tokens(c: Config, data: TrainData) -> float | None:
         return None
     bytes_per_token = max(data.eval_set.n_bytes / float(data.eval_set.mask.sum()), 1.0)  # a float: saved as JSON
     return (c.epochs or 1) * data.source.size_bytes / bytes_per_token * c.seq_len / (c.stride or c.seq_len)
+
+
+def check_base(c: Config, run: RunState, fingerprint: str | None, out: str) -> None:
+    """LoRA: a fresh run records its base's sha256 in every checkpoint; a resumed one must find the same base."""
+    if fingerprint is None:
+        return
+    if run.base_fingerprint is None:
+        run.base_fingerprint = fingerprint
+    elif run.base_fingerprint != fingerprint:
+        raise RunError(f"--resume {out}: --init-from {c.init_from} is not the base these adapters were trained on "
+                       f"(sha256 {fingerprint[:12]}..., the checkpoint's {run.base_fingerprint[:12]}...); give the "
+                       f"same weights (--init-revision pins a hub model)")
 
 
 def check_disk(c: Config, env: Env, state: Any) -> None:
@@ -301,7 +326,8 @@ def restore(c: Config, ckpt: Checkpointer, state: Any, est: float | None, env: E
 
 
 def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, resolved: dict, peak: float,
-                   ckpt: Checkpointer, loader: StreamingDataLoader | None, env: Env, resumed: dict) -> list[Callback]:
+                   ckpt: Checkpointer, loader: StreamingDataLoader | None, env: Env, resumed: dict,
+                   base: Any = None) -> list[Callback]:
     """The trainer's callbacks in their order (slm.train.callbacks), with their sinks."""
     from slm.train.callbacks import (
         Console,
@@ -327,7 +353,8 @@ def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, reso
     emit = Emitter(metrics, trackers, console)
     plot = LossPlot(out, procs.primary, log, emit)
     evaluator = Evaluator(built.model, data.eval_set, c.batch_size, built.batch_sharding, data.tokenizer,
-                          sample_start(data.tokenizer, data.special), c.seq_len, c.seed, procs, env.signals, os.path.join(out, "samples.txt") if procs.primary else None)
+                          sample_start(data.tokenizer, data.special), c.seq_len, c.seed, procs, env.signals, os.path.join(out, "samples.txt") if procs.primary else None,
+                          base=base, lora=built.spec.lora)
     monitor = env.monitor
     return [console,
             LogMetrics(emit, facts.model_flops_per_token, peak, facts.devices, env.start, lambda: monitor.device_mb,
@@ -351,7 +378,7 @@ def summarize(c: Config, run: RunState, data: TrainData, facts: RunFacts, plan: 
     memory = env.monitor.snapshot()
     summary = {
         "eval_loss": ev["eval_loss"], "eval_ppl": ev["eval_ppl"], "eval_bpb": ev["eval_bpb"],
-        "params": facts.params, "trainable_params": facts.params,  # all of them: full training or fine-tuning
+        "params": facts.params, "trainable_params": facts.trainable_params,
         "steps": run.step, "tokens": run.tokens, "epochs_started": run.epoch + 1,
         "wall_time_s": env.clock() - env.start, "train_time_s": t.train_s,
         "compile_time_s": (t.compile_s or 0.0) + plan.compile_s, "first_batch_time_s": t.first_batch_s,

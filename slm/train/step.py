@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from slm.model.transformer import Transformer, token_nll
+from slm.model.lora import merge
+from slm.model.transformer import Transformer, mean_nll, token_nll
 
 PyTree = Any
 
@@ -31,19 +32,26 @@ def init_state(params: PyTree, tx: optax.GradientTransformation) -> TrainState:
 
 
 def make_train_step(model: Transformer, tx: optax.GradientTransformation, state_sharding: PyTree = None,
-                    batch_sharding: Any = None):
+                    batch_sharding: Any = None, base_sharding: PyTree = None, seed: int = 0):
     """jit(state, batch, lr) -> (state, metrics); the old state's buffers are donated.
 
     With shardings (slm.train.devices.state_shardings / the mesh's batch sharding) the step's inputs and outputs
     are pinned to them: the state leaves the step laid out as it came in (replicated for DP, split for
     FSDP) and the metrics are replicated scalars.
+
+    With LoRA (`model.lora`) it is jit(state, batch, lr, base): `state.params` are the adapters, the only
+    thing differentiated and updated; the frozen `base` is an input (never donated, no gradient, no
+    optimizer state). LoRA dropout draws its mask from (seed, micro_step), so a resumed run repeats it.
     """
+    dropout = model.lora is not None and model.lora.dropout > 0
 
-    def loss_fn(params: PyTree, batch: dict) -> jax.Array:
-        return token_nll(model, params, batch["input_ids"], batch["targets"]).mean()
+    def loss_fn(trainable: PyTree, batch: dict, base: PyTree, rng: Any) -> jax.Array:
+        params = trainable if base is None else merge(base, trainable)
+        return mean_nll(token_nll(model, params, batch["input_ids"], batch["targets"], rng), batch["targets"])
 
-    def step(state: TrainState, batch: dict, lr: jax.Array) -> tuple[TrainState, dict]:
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    def step(state: TrainState, batch: dict, lr: jax.Array, base: PyTree = None) -> tuple[TrainState, dict]:
+        rng = jax.random.fold_in(jax.random.PRNGKey(seed), state.micro_step) if dropout else None
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, base, rng)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), state.params, updates)
         new_state = TrainState(micro_step=state.micro_step + 1, params=params, opt_state=opt_state)
@@ -53,8 +61,8 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, state_
     if state_sharding is None:
         return jax.jit(step, donate_argnums=0)
     replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
-    return jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding, replicated),
-                   out_shardings=(state_sharding, replicated))
+    ins = (state_sharding, batch_sharding, replicated) + ((base_sharding,) if model.lora is not None else ())
+    return jax.jit(step, donate_argnums=0, in_shardings=ins, out_shardings=(state_sharding, replicated))
 
 
 def make_flush_step(tx: optax.MultiSteps, state_sharding: PyTree = None, batch_sharding: Any = None):
@@ -79,10 +87,12 @@ def make_flush_step(tx: optax.MultiSteps, state_sharding: PyTree = None, batch_s
 
 
 def make_eval_step(model: Transformer):
-    """jit(params, ids, targets, mask) -> (sum of nats over mask, number of tokens)."""
+    """jit(params, ids, targets, mask) -> (sum of nats over mask, number of tokens); targets < 0 (prompt
+    tokens of instruction data) are not scored. With LoRA, `params` is base and adapters merged."""
 
     def step(params: PyTree, ids: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
         nll = token_nll(model, params, ids, targets)
+        mask = mask * (targets >= 0)
         return jnp.sum(nll * mask), jnp.sum(mask)
 
     return jax.jit(step)
