@@ -83,3 +83,15 @@ def save_folder(tok: Tokenizer, folder, tokenizer_config: dict) -> str:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return str(folder / "tokenizer.json")
+
+
+# Qwen2-Instruct's chat template (tokenizer_config.json of Qwen/Qwen2-0.5B-Instruct) and its special tokens.
+QWEN2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN2_TOKENIZER_CONFIG = {"eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>",
+                          "chat_template": QWEN2_TEMPLATE}

@@ -32,6 +32,7 @@ from slm.data.tokenizer import (
 from slm.errors import ConfigError, DatasetError
 from slm.io.tracking import require_wandb
 from slm.memory.estimate import estimate_memory_usage, fit_candidates, parse_size
+from slm.memory.finetune import Finetune
 from slm.memory.host import available_host_mb, total_ram_gb
 from slm.memory.preflight import MemoryPlan
 from slm.model.sizing import (
@@ -41,7 +42,14 @@ from slm.model.sizing import (
     default_learning_rate,
     default_vocab_size,
 )
-from slm.train.config import PRESETS, Config, apply_preset, auto_preset, validate
+from slm.train.config import (
+    PRESETS,
+    Config,
+    apply_preset,
+    auto_preset,
+    lora_target_list,
+    validate,
+)
 from slm.train.devices import (
     Processes,
     configure_cpu_devices,
@@ -236,7 +244,22 @@ def doc_start(c: Config, data: TrainData) -> int | None:
     if not data.special.start:
         raise ConfigError("--document-mask: the tokenizer has no end-of-text or bos token to find documents by; "
                           "use a tokenizer with one, or leave --document-mask off")
+    if data.chat_template and _inside_examples(data, data.special.start[0]):
+        raise ConfigError(f"--document-mask with --chat-template: the template writes "
+                          f"{data.tokenizer.id_to_token(data.special.start[0])!r}, the token documents are found by, "
+                          f"inside each example (between prompt and response), so a response could not see its "
+                          f"prompt; leave --document-mask off")
     return data.special.start[0]
+
+
+def _inside_examples(data: TrainData, token: int) -> bool:
+    """Whether the chat template writes `token` before an example's response (ChatML's <|im_end|> ends each turn)."""
+    from slm.data.instruction import Example, render_parts
+
+    name = data.tokenizer.id_to_token
+    eos, bos = (name(i) if i is not None else None for i in (data.special.eos, data.special.bos))
+    prompt, _ = render_parts(data.chat_template, Example("a", "b"), bos, eos)
+    return token in data.tokenizer.encode(prompt, add_special_tokens=False).ids[1:]
 
 
 def pretrained(c: Config, log: Log) -> tuple[Any, dict | None, str | None]:
@@ -264,6 +287,11 @@ def pretrained(c: Config, log: Log) -> tuple[Any, dict | None, str | None]:
     return shape, params, fingerprint
 
 
+def finetune_of(c: Config) -> Finetune | None:
+    """A LoRA run's memory terms (a frozen base in --base-dtype, adapters on --lora-targets); None otherwise."""
+    return None if c.lora_rank is None else Finetune(c.lora_rank, tuple(lora_target_list(c.lora_targets)), c.base_dtype)
+
+
 FIT_KEYS = ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "use_mixed_precision",
             "gradient_checkpointing")
 
@@ -282,7 +310,8 @@ def fit_choices(c: Config, data: TrainData, procs: Processes) -> list[dict]:
         return fit_candidates(data.shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps,
                               min(budget, int(limit * 2**20)) if limit else budget, max_devices=len(jax.devices()),
                               platform=platform, data_mb=data.data_mb,
-                              user=(c.use_8bit_optimizer, c.use_mixed_precision, c.gradient_checkpointing))
+                              user=(c.use_8bit_optimizer, c.use_mixed_precision, c.gradient_checkpointing),
+                              finetune=finetune_of(c))
 
     choices = procs.decide0(candidates)
     if not choices:
@@ -339,11 +368,13 @@ def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None)
     compiled, compile_s, compiled_mb = compile_step(built)
     mesh = built.mesh
     n_dev, platform = int(mesh.devices.size), mesh.devices.flat[0].platform
-    est = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size, shape=data.shape,
+    lora = {} if c.lora_rank is None else dict(model=data.shape, lora_rank=c.lora_rank, base_dtype=c.base_dtype,
+                                               lora_targets=lora_target_list(c.lora_targets))
+    est = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size, shape=None if lora else data.shape,
                                 mixed_precision=c.use_mixed_precision, use_8bit_optimizer=c.use_8bit_optimizer,
                                 gradient_accumulation_steps=c.gradient_accumulation_steps,
                                 gradient_checkpointing=c.gradient_checkpointing, streaming=c.use_streaming,
-                                devices=n_dev, platform=platform, sharding=c.sharding)
+                                devices=n_dev, platform=platform, sharding=c.sharding, **lora)
     est["data_pipeline_mb"] = round(data.data_mb, 3)
     if platform == "cpu":
         limit = available_host_mb()

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import tokenizer_zoo as zoo
+from tokenizer_zoo import CHATML, QWEN2_TEMPLATE
 
 from slm.data.heldout import build_eval_set, held_out_split
 from slm.data.instruction import Example, load_chat_template, render_parts
@@ -23,19 +24,12 @@ from slm.data.tokenizer import (
 from slm.errors import DatasetError, TokenizerError
 
 # Qwen2-Instruct's template (tokenizer_config.json of Qwen/Qwen2-0.5B-Instruct) and Llama-3-Instruct's.
-QWEN2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 LLAMA3_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
     "message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
     "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
-CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 # (template, special tokens, tokenizer_config, the prompt part and the response part written out by hand)
 TEMPLATES = {

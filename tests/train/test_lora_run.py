@@ -126,3 +126,26 @@ def test_lora_on_instruction_data_with_fsdp(tmp_path, folder, capsys):
     assert np.isfinite(s["eval_loss"])
     spec = LoraSpec(4, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
     assert load_run(str(out)).config["lora_targets"] == ",".join(spec.targets)
+
+
+def test_chat_template_run_and_document_mask_refusal(tmp_path, capsys):
+    """Qwen2-Instruct's ChatML template from the folder's tokenizer_config.json formats each example; with
+    --document-mask it is refused in one line, since <|im_end|> (the token documents are found by, there being
+    no bos) ends the prompt's turns too."""
+    import tokenizer_zoo as zoo
+
+    folder = tmp_path / "chatml"
+    save_tiny("qwen2", folder, vocab_size=400, tokenizer=zoo.byte_level(zoo.CHATML))
+    (folder / "tokenizer_config.json").write_text(json.dumps(zoo.QWEN2_TOKENIZER_CONFIG))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"Say {i}.", "output": f"{i}!"}) + "\n" for i in range(300)))
+    args = ["--use-streaming", "--init-from", str(folder), "--dataset-id", str(data), "--prompt-column", "instruction",
+            "--response-column", "output", "--chat-template", "--seq-len", "32", "--batch-size", "4",
+            "--eval-tokens", "128", "--max-steps", "2", "--lora-rank", "2"]
+    assert main(args + ["--output-dir", str(tmp_path / "ok")]) == 0
+    saved = json.loads((tmp_path / "ok" / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == zoo.QWEN2_TEMPLATE  # generate/export find it in the run
+    capsys.readouterr()
+    assert main(args + ["--document-mask", "--output-dir", str(tmp_path / "masked")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--document-mask with --chat-template" in err and "<|im_end|>" in err, err
