@@ -59,6 +59,7 @@ GPU_RUNTIME_MB = 600.0
 # (jax 0.10.2; smollm2-135m, qwen2.5-0.5b, tinyllama-1.1b and mistral-7b shapes at 2 and 4 layers, seq
 # 256/512, batch 1/2, every base dtype: 160 compiles, each within -1.2..+2.6% of XLA's peak). Under mixed
 # precision `a` fitted slightly negative (-0.9..-0.6) and is pinned to 0. Remat saves ~22% of b on CPU.
+# The committed step at full depth, all four models: -2.3..+3.6% (bench/lora_memory_xla.py).
 LORA_COEFFICIENTS = {
     (False, False): (10.31, 18.11, 12.37, 7.91),
     (False, True): (0.0, 13.01, 12.83, 8.08),

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from helpers import ROOT
@@ -14,6 +15,7 @@ from slm.model.hf_config import shape_from_hf_config
 from slm.model.sizing import count_params
 
 MISTRAL = ROOT.parent / "shared" / "models" / "mistral-7b-v0.1" / "config.json"
+SMOLLM2 = ROOT.parent / "shared" / "models" / "smollm2-135m" / "config.json"
 GPU_24GB = 24 * 1024  # MB
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # Seed 002's settings (../shared/seeds/002_*): "FP16 precision" is mixed precision here (bf16 compute).
@@ -118,3 +120,22 @@ def test_hf_config_is_the_loaders_shape_and_the_plan_imports_no_jax():
             f"fit_to_budget('24GB', 512, 2, 8, model={str(MISTRAL)!r}, lora_rank=16, base_dtype='float16'); "
             "assert 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+@pytest.mark.parametrize("remat,mixed,base,targets,seq,batch", [
+    (True, False, "bfloat16", ("q_proj", "v_proj"), 256, 1),
+    (False, True, "float16", ("q_proj", "k_proj", "v_proj", "o_proj"), 128, 2),
+    (True, True, "float32", ("q_proj", "v_proj", "down_proj"), 256, 1),
+])
+def test_lora_estimate_within_10_percent_of_the_compiled_lora_step(remat, mixed, base, targets, seq, batch):
+    """The trainer's own LoRA step (slm.train.builder), compiled at abstract shapes on one CPU device."""
+    from slm.model.lora import LoraSpec
+    from slm.train.builder import StepSpec, build, compile_step
+    from slm.train.devices import data_mesh
+
+    shape = replace(model_shape(SMOLLM2), n_layers=2)  # smollm2-135m's widths and vocab, 2 layers: ~5 s to compile
+    spec = StepSpec(shape, seq, batch, 1, mixed, remat, lora=LoraSpec(16, 32.0, 0.0, targets), base_dtype=base)
+    _, _, xla_mb = compile_step(build(spec, data_mesh(batch, max_devices=1)))
+    est = estimate_memory_usage(0, seq, batch, model=shape, lora_rank=16, lora_targets=targets, base_dtype=base,
+                                mixed_precision=mixed, gradient_checkpointing=remat)
+    assert abs(est["device_total_mb"] / xla_mb - 1) <= 0.10, (est["device_total_mb"], xla_mb)
