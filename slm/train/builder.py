@@ -161,6 +161,18 @@ def compile_step(built: Built) -> tuple[Any, float, float]:
     return mem["compiled"], time.time() - t0, mem["peak"] / MB
 
 
+def load_weights(built: Built, folder: str) -> tuple[Any, str, str]:
+    """--init-from's weights, read after the step is planned, straight into the layout the run keeps them in
+    (the state's, or the LoRA base's, in --base-dtype): (params, sha256, what they were)."""
+    from slm.train.devices import leaf_sharding
+
+    spec = built.spec
+    dtype = spec.base_dtype if spec.lora is not None else "float32"
+    _, params, fingerprint, what = load_pretrained(folder, dtype, sharding=lambda s: leaf_sharding(s, built.mesh,
+                                                                                                    spec.sharding))
+    return params, fingerprint, what
+
+
 def init_state(built: Built, params: Any = None) -> TrainState:
     """The step-0 state, built in place with its final layout (under FSDP no device holds the whole state):
     from a random init, or from `params` (--init-from's weights, host arrays). With LoRA the state holds
@@ -182,10 +194,12 @@ def place_base(built: Built, params: Any) -> Any:
                         built.base_sharding)
 
 
-def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True) -> tuple[ModelShape, Any, str | None, str]:
-    """(shape, params on the default device in `dtype` or None, sha256 of the weights as read, what they were)
-    of a Hugging Face folder or of one of this trainer's runs (its newest checkpoint). Each tensor goes to
-    the device as soon as it is read and hashed: never all of them twice on the host."""
+def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True,
+                    sharding: Any = None) -> tuple[ModelShape, Any, str | None, str]:
+    """(shape, params in `dtype` or None, sha256 of the weights as read, what they were) of a Hugging Face
+    folder or of one of this trainer's runs (its newest checkpoint). Each tensor goes to the device as soon as
+    it is read and hashed, laid out by `sharding(shape)` (default: the default device): never all of them
+    twice on the host, and under FSDP never whole on one device."""
     from slm.io.hf_import import load_hf_folder
 
     target = np.dtype(jnp.dtype(dtype))
@@ -193,7 +207,8 @@ def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True) -
 
     def place(x: np.ndarray) -> Any:
         digest.update(np.ascontiguousarray(x).data)
-        return jax.device_put(x.astype(target, copy=False))
+        x = x.astype(target, copy=False)
+        return jax.device_put(x) if sharding is None else jax.device_put(x, sharding(tuple(x.shape)))
 
     if os.path.isdir(os.path.join(folder, "checkpoints")):  # a run of this trainer
         run = load_run(folder)
@@ -215,11 +230,15 @@ class LoadedRun:
     tokenizer: Any
     special: SpecialIds  # what training packed documents with
     step: int
+    lora: LoraSpec | None = None  # a LoRA run's adapters' spec (None: full training)
+    adapters: Any = None  # with load_run(..., fold_lora=False): the LoRA run's adapters, unfolded (params is None)
 
 
-def load_run(run_dir: str, step: int | None = None) -> LoadedRun:
+def load_run(run_dir: str, step: int | None = None, fold_lora: bool = True) -> LoadedRun:
     """A finished or running run's newest (or given) checkpoint, for sampling and export.
 
+    A LoRA run's params are its base with the adapters folded in; with `fold_lora=False` the base is not read
+    at all: `adapters` holds the adapters as trained (`lora` their spec) and `params` is None (PEFT export).
     Every failure (missing file, unknown --step, a corrupt or foreign checkpoint) is a RunError with a
     one-line message.
     """
@@ -238,7 +257,7 @@ def load_run(run_dir: str, step: int | None = None) -> LoadedRun:
         raise RunError(str(e)) from None
     special = special_ids(tokenizer, os.path.join(run_dir, "tokenizer.json"))
     try:
-        return _restore(run_dir, step, tokenizer, special)
+        return _restore(run_dir, step, tokenizer, special, fold_lora)
     except RunError:
         raise
     except Exception as e:  # noqa: BLE001 - a corrupt or foreign checkpoint: say which and why, in one line
@@ -246,7 +265,7 @@ def load_run(run_dir: str, step: int | None = None) -> LoadedRun:
                        f"{first_line(e)})") from None
 
 
-def _restore(run_dir: str, step: int | None, tokenizer: Any, special: SpecialIds) -> LoadedRun:
+def _restore(run_dir: str, step: int | None, tokenizer: Any, special: SpecialIds, fold_lora: bool = True) -> LoadedRun:
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
     shape = ModelShape(**config["model"])
@@ -263,8 +282,10 @@ def _restore(run_dir: str, step: int | None, tokenizer: Any, special: SpecialIds
         state, meta, _ = ckpt.restore(abstract, step)
     finally:
         ckpt.close()
+    if spec.lora is not None and not fold_lora:
+        return LoadedRun(config, shape, None, tokenizer, special, int(meta["step"]), spec.lora, state.params)
     params = state.params if spec.lora is None else _with_base(run_dir, config, state.params, spec.lora)
-    return LoadedRun(config, shape, params, tokenizer, special, int(meta["step"]))
+    return LoadedRun(config, shape, params, tokenizer, special, int(meta["step"]), spec.lora)
 
 
 def _with_base(run_dir: str, config: dict, adapters: Any, lora: LoraSpec) -> Any:

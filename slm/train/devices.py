@@ -132,21 +132,21 @@ def state_shardings(abstract_state, mesh, mode: str = "dp"):
     """A NamedSharding per state leaf: replicated ("dp"), or split over 'data' along the largest
     dimension the device count divides ("fsdp"; scalars and indivisible leaves stay replicated)."""
     import jax
+
+    return jax.tree.map(lambda x: leaf_sharding(tuple(x.shape), mesh, mode), abstract_state)
+
+
+def leaf_sharding(shape: tuple[int, ...], mesh, mode: str = "dp"):
+    """state_shardings' rule for one array of `shape`: it depends on the shape alone, so weights can be
+    placed where they will live as they are read, before the state exists."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     n = mesh.shape["data"]
-    replicated = NamedSharding(mesh, PartitionSpec())
-    if mode == "dp" or n == 1:
-        return jax.tree.map(lambda _: replicated, abstract_state)
-
-    def split(x) -> NamedSharding:
-        dims = sorted(range(x.ndim), key=lambda d: -x.shape[d])
-        for d in dims:
-            if x.shape[d] % n == 0 and x.shape[d] >= n:
+    if mode == "fsdp" and n > 1:
+        for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+            if shape[d] % n == 0 and shape[d] >= n:
                 return NamedSharding(mesh, PartitionSpec(*([None] * d), "data"))
-        return replicated
-
-    return jax.tree.map(split, abstract_state)
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def device_bytes(tree) -> int:

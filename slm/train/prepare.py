@@ -9,6 +9,7 @@ trains.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Callable
@@ -129,6 +130,7 @@ class TrainData:
     data_mb: float  # the data pipeline's host memory
     rows: tuple[np.ndarray, np.ndarray] | None  # full load: this process's (inputs, targets)
     init_params: dict | None = None  # --init-from: the pretrained weights (None when resuming: the checkpoint has them)
+    init_folder: str | None = None  # --init-from: the local folder (a hub id downloaded)
     base_fingerprint: str | None = None  # --init-from: sha256 of the weights as read (a LoRA checkpoint records it)
     chat_template: str | None = None  # --chat-template: the template string that formats each example
 
@@ -210,7 +212,7 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
     source = training_source(c, log)
     eval_source = eval_source_of(c, source, log)
     heldout = held_out_docs(c, source) if eval_source is None else []
-    init_shape, init_params, fingerprint = pretrained(c, log) if c.init_from else (None, None, None)
+    init_shape, init_folder = pretrained(c, log) if c.init_from else (None, None)
     chat_template = load_chat_template(c.tokenizer) if c.chat_template else None  # after --init-from set c.tokenizer
     tokenizer, special, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log, chat_template)
     shape = init_shape or choose_shape(c.target_params, tokenizer.get_vocab_size(), c.n_layers, c.d_model, c.n_heads)
@@ -233,8 +235,8 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
             raise DatasetError(f"{source.name}: {len(rows[0])} sequences, fewer than --batch-size {c.batch_size}")
         data_mb = (rows[0].nbytes + rows[1].nbytes) / 2**20
         log(f"[data] full load: {rows[0].shape[0]:,} sequences, {data_mb:.1f} MB in memory")
-    return TrainData(source, tokenizer, special, tok_s, eval_set, len(heldout), shape, data_mb, rows, init_params,
-                     fingerprint, chat_template)
+    return TrainData(source, tokenizer, special, tok_s, eval_set, len(heldout), shape, data_mb, rows,
+                     chat_template=chat_template, init_folder=init_folder)
 
 
 def doc_start(c: Config, data: TrainData) -> int | None:
@@ -262,29 +264,34 @@ def _inside_examples(data: TrainData, token: int) -> bool:
     return token in data.tokenizer.encode(prompt, add_special_tokens=False).ids[1:]
 
 
-def pretrained(c: Config, log: Log) -> tuple[Any, dict | None, str | None]:
-    """--init-from: (shape, weights, their sha256) of a Hugging Face folder (a hub id is downloaded, its commit
-    pinned in --init-revision) or of one of this trainer's runs (its newest checkpoint); its tokenizer.json
-    becomes --tokenizer. On --resume only the shape is read, unless LoRA needs the frozen base again. A
-    LoRA base goes to the device in --base-dtype as each tensor is read."""
-    from slm.io.hf_import import resolve_pretrained
+def pretrained(c: Config, log: Log) -> tuple[ModelShape, str]:
+    """--init-from: (shape, local folder) of a Hugging Face folder (a hub id is downloaded, its commit pinned in
+    --init-revision) or of one of this trainer's runs; its tokenizer.json becomes --tokenizer. The weights
+    are read later (load_init_weights), once the step is planned and their layout known."""
+    from slm.io.hf_import import load_hf_folder, resolve_pretrained
 
     folder, c.init_revision = resolve_pretrained(c.init_from, c.init_revision, log)
     if not c.tokenizer:
         c.tokenizer = os.path.join(folder, "tokenizer.json")
+    if os.path.isdir(os.path.join(folder, "checkpoints")):  # a run of this trainer
+        with open(os.path.join(folder, "config.json")) as f:
+            return ModelShape(**json.load(f)["model"]), folder
+    return load_hf_folder(folder, weights=False)[0], folder
+
+
+def load_init_weights(c: Config, data: TrainData, built: Any, log: Log) -> None:
+    """--init-from's weights into data.init_params (and their sha256), laid out as the run keeps them; not
+    on --resume of a full fine-tune (the checkpoint has them), always for LoRA (the base is not saved)."""
+    if not c.init_from or (c.resume and c.lora_rank is None):
+        return
+    import jax
+
+    from slm.train.builder import load_weights
+
     t = time.time()
-    configure_cpu_devices(c.cpu_devices)  # jax's backend starts below, not in plan_step as usual
-    import jax  # the weights go to the device as each layer is read: never all of them twice on the host
-
-    from slm.train.builder import load_pretrained
-
-    need = not c.resume or c.lora_rank is not None
-    shape, params, fingerprint, what = load_pretrained(folder, c.base_dtype if c.lora_rank else "float32", need)
-    if params is None:
-        return shape, None, None
-    log(f"[init] {c.init_from}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M parameters loaded from {what} in "
-        f"{time.time() - t:.1f}s{f' as the frozen {c.base_dtype} base' if c.lora_rank else ''}")
-    return shape, params, fingerprint
+    data.init_params, data.base_fingerprint, what = load_weights(built, data.init_folder)
+    log(f"[init] {c.init_from}: {sum(x.size for x in jax.tree.leaves(data.init_params)) / 1e6:.1f}M parameters "
+        f"loaded from {what} in {time.time() - t:.1f}s{f' as the frozen {c.base_dtype} base' if c.lora_rank else ''}")
 
 
 def finetune_of(c: Config) -> Finetune | None:

@@ -44,6 +44,7 @@ from slm.train.interrupts import SignalWatcher
 from slm.train.loop import Cadence, Callback, LoopPlan, RunState, Schedule, run_loop
 from slm.train.prepare import (
     TrainData,
+    load_init_weights,
     make_output_dir,
     plan_step,
     settle_config,
@@ -94,6 +95,7 @@ def train(config: Config, start_time: float | None = None, log: Log = print, exp
         env = Env(out, start, log, procs, signals, clock, disk_usage, monitor, stack)
         data = setup_data(c, out, procs, log)
         built, compiled, plan = plan_step(c, data, procs, log)
+        load_init_weights(c, data, built, log)  # after the plan: read straight into their final layout
         return _train(c, data, built, compiled, plan, env, list(callbacks))
 
 
