@@ -50,7 +50,7 @@ def weight_files(folder: str) -> list[str]:
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
-def _tensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+def _tensors(files: list[str], dtype: Any = np.float32) -> Iterator[tuple[str, np.ndarray]]:
     """(name, float32 numpy array), one tensor at a time, in file order.
 
     Read with plain file reads rather than safetensors' memory map: a mapped file's pages count in the
@@ -73,7 +73,7 @@ def _tensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
                 x = np.empty(info["shape"], dtype=np.dtype(_DTYPES[info["dtype"]]))
                 if f.readinto(memoryview(x.reshape(-1).view(np.uint8))) != end - start:
                     raise RunError(f"{path}: truncated at tensor {name}; download it again")
-                yield name, x.astype(np.float32, copy=False)
+                yield name, x.astype(dtype, copy=False)  # a bf16 file held in bf16 is never widened
 
 
 def _layer_names(shape: ModelShape) -> set[str]:
@@ -82,7 +82,8 @@ def _layer_names(shape: ModelShape) -> set[str]:
     return names | ({f"self_attn.{p}_proj.bias" for p in "qkv"} if shape.qkv_bias else set())
 
 
-def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray], Any] = np.asarray) -> dict:
+def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray], Any] = np.asarray,
+                   dtype: Any = np.float32) -> dict:
     """The model's params from the folder's safetensors, tensor by tensor: each layer is assembled (q/k/v and
     gate/up fused, kernels transposed) as soon as its tensors have been read, then handed to `place` (e.g.
     jax.device_put) and its pieces dropped, so the host holds the placed params plus about one layer."""
@@ -93,7 +94,7 @@ def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray],
         top["lm_head.weight"] = ("unembed", (V, D))
     pending: dict[int, dict[str, np.ndarray]] = {}
     params: dict[str, Any] = {}
-    for name, x in _tensors(weight_files(folder)):
+    for name, x in _tensors(weight_files(folder), dtype):
         if name in top:  # placed at once: the embedding and head are the largest tensors
             key, want = top[name]
             x = place(_need({name: x}, name, want, folder))
@@ -149,17 +150,17 @@ def _need(tensors: dict, name: str, shape: tuple, folder: str) -> np.ndarray:
     return x
 
 
-def load_hf_folder(folder: str, weights: bool = True,
-                   place: Callable[[np.ndarray], Any] = np.asarray) -> tuple[ModelShape, dict | None, dict]:
-    """(shape, params or None without `weights`, config.json) of a local Hugging Face model folder; each
-    array goes through `place` as soon as it is assembled (see load_hf_params)."""
+def load_hf_folder(folder: str, weights: bool = True, place: Callable[[np.ndarray], Any] = np.asarray,
+                   dtype: Any = np.float32) -> tuple[ModelShape, dict | None, dict]:
+    """(shape, params in `dtype` or None without `weights`, config.json) of a local Hugging Face model folder;
+    each array goes through `place` as soon as it is assembled (see load_hf_params)."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise RunError(f"{folder}: no config.json; pass a Hugging Face model folder")
     with open(path) as f:
         cfg = json.load(f)
     shape = shape_from_hf_config(cfg, path)
-    return shape, load_hf_params(folder, shape, place) if weights else None, cfg
+    return shape, load_hf_params(folder, shape, place, dtype) if weights else None, cfg
 
 
 def resolve_pretrained(spec: str, revision: str | None, log) -> tuple[str, str | None]:

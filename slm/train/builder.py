@@ -206,7 +206,7 @@ def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True,
     digest = hashlib.sha256()
 
     def place(x: np.ndarray) -> Any:
-        digest.update(np.ascontiguousarray(x).data)
+        digest.update(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data)  # bf16 has no buffer format
         x = x.astype(target, copy=False)
         return jax.device_put(x) if sharding is None else jax.device_put(x, sharding(tuple(x.shape)))
 
@@ -215,7 +215,7 @@ def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True,
         params = jax.tree.map(lambda x: place(np.asarray(x)), run.params) if weights else None
         shape, what = run.shape, f"step {run.step} of the run"
     else:
-        shape, params, _ = load_hf_folder(folder, weights=weights, place=place)
+        shape, params, _ = load_hf_folder(folder, weights=weights, place=place, dtype=target)
         what = "safetensors"
     return shape, params, digest.hexdigest() if params is not None else None, what
 
@@ -294,7 +294,7 @@ def _with_base(run_dir: str, config: dict, adapters: Any, lora: LoraSpec) -> Any
     from slm.model.lora import fold, merge
 
     folder, _ = resolve_pretrained(config["init_from"], config.get("init_revision"), lambda *_: None)
-    shape, base, fingerprint, _ = load_pretrained(folder)
+    shape, base, fingerprint, _ = load_pretrained(folder, config.get("base_dtype", "float32"))  # as hashed in training
     if config.get("base_fingerprint") and fingerprint != config["base_fingerprint"]:
         raise RunError(f"{run_dir}: its base {config['init_from']} has changed since training (sha256 "
                        f"{fingerprint[:12]}..., trained on {config['base_fingerprint'][:12]}...)")

@@ -375,8 +375,8 @@ def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None)
     compiled, compile_s, compiled_mb = compile_step(built)
     mesh = built.mesh
     n_dev, platform = int(mesh.devices.size), mesh.devices.flat[0].platform
-    lora = {} if c.lora_rank is None else dict(model=data.shape, lora_rank=c.lora_rank, base_dtype=c.base_dtype,
-                                               lora_targets=lora_target_list(c.lora_targets))
+    lora = {} if c.lora_rank is None else {"model": data.shape, "lora_rank": c.lora_rank, "base_dtype": c.base_dtype,
+                                           "lora_targets": lora_target_list(c.lora_targets)}
     est = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size, shape=None if lora else data.shape,
                                 mixed_precision=c.use_mixed_precision, use_8bit_optimizer=c.use_8bit_optimizer,
                                 gradient_accumulation_steps=c.gradient_accumulation_steps,
