@@ -293,6 +293,29 @@ def fit_candidates(
     return sorted(out, key=lambda c: (c["cost"], c["predicted_peak_mb"]))
 
 
+def data_side(num_sequences: int, seq_len: int, batch_size: int, shuffle_buffer_size: int, avg_document_chars: int,
+              prefetch: int, chunk_chars: int) -> tuple[MemoryEstimate, float, float]:
+    """estimate_memory_usage's data keys (formulas in its docstring), the full-load MB and the streaming MB."""
+    mb = 1 / MB
+    row_bytes = seq_len * 2 * 4
+    full = num_sequences * row_bytes * mb
+    batches = (prefetch + 2) * batch_size * row_bytes * mb
+    shuffle = (shuffle_buffer_size if shuffle_buffer_size > 1 else 0) * (avg_document_chars + 49) * mb
+    chunk = chunk_chars * 5 * mb
+    streaming_mb = batches + shuffle + chunk
+    frac = 1 - streaming_mb / full if full > 0 else 0.0
+    out = MemoryEstimate({
+        "full_load_mb": round(full, 3),
+        "streaming_mb": round(streaming_mb, 3),
+        "memory_savings": f"{frac * 100:.2f}%",
+        "memory_savings_frac": frac,
+        "streaming_batches_mb": round(batches, 3),
+        "shuffle_buffer_mb": round(shuffle, 3),
+        "tokenize_chunk_mb": round(chunk, 3),
+    })
+    return out, full, streaming_mb
+
+
 def estimate_memory_usage(
     num_sequences: int,
     seq_len: int,
@@ -343,22 +366,8 @@ def estimate_memory_usage(
     The result is a dict that prints as a table (also in notebooks).
     """
     mb = 1 / MB
-    row_bytes = seq_len * 2 * 4
-    full = num_sequences * row_bytes * mb
-    batches = (prefetch + 2) * batch_size * row_bytes * mb
-    shuffle = (shuffle_buffer_size if shuffle_buffer_size > 1 else 0) * (avg_document_chars + 49) * mb
-    chunk = chunk_chars * 5 * mb
-    streaming_mb = batches + shuffle + chunk
-    frac = 1 - streaming_mb / full if full > 0 else 0.0
-    out = MemoryEstimate({
-        "full_load_mb": round(full, 3),
-        "streaming_mb": round(streaming_mb, 3),
-        "memory_savings": f"{frac * 100:.2f}%",
-        "memory_savings_frac": frac,
-        "streaming_batches_mb": round(batches, 3),
-        "shuffle_buffer_mb": round(shuffle, 3),
-        "tokenize_chunk_mb": round(chunk, 3),
-    })
+    out, full, streaming_mb = data_side(num_sequences, seq_len, batch_size, shuffle_buffer_size, avg_document_chars,
+                                        prefetch, chunk_chars)
     if shape is None and target_params is None and model is None:
         return out
     if model is not None:
