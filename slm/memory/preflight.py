@@ -85,9 +85,9 @@ class MemoryPlan:
     def describe(self) -> list[str]:
         """The plan as log lines: the breakdown, XLA's figure, the predicted peaks."""
         e = self.estimate
-        parts = ", ".join(f"{k[:-3].replace('_', ' ')} {e[k]:,.1f}" for k in
-                          ("params_mb", "gradients_mb", "optimizer_state_mb", "accumulation_mb", "activations_mb",
-                           "logits_mb", "update_mb"))
+        keys = ("base_params_mb", "base_casts_mb", "params_mb", "gradients_mb", "optimizer_state_mb", "accumulation_mb",
+                "activations_mb", "logits_mb", "update_mb", "runtime_mb")  # base_*: a LoRA run's frozen base
+        parts = ", ".join(f"{k[:-3].replace('_', ' ')} {e[k]:,.1f}" for k in keys if k in e)
         cpu = self.platform == "cpu"
         return [f"[memory] per device (MB, estimate): {parts}; total {e['device_total_mb']:,.1f} "
                 f"| XLA's compiled step: {self.compiled_device_mb:,.1f} MB/device x {self.devices} "
