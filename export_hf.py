@@ -1,4 +1,5 @@
-"""Export a run as a Hugging Face folder: `python export_hf.py --run RUN_DIR --out DIR` (slm/cli/export.py)."""
+"""Deploy a run: `python export_hf.py --run RUN_DIR --out OUT [--format hf|peft|gguf]` (slm/cli/export.py):
+a transformers folder (default), a LoRA run's PEFT adapter folder, or one GGUF file for llama.cpp (docs/deploy.md)."""
 
 import sys
 

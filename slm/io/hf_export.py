@@ -169,10 +169,20 @@ def tokenizer_config(tokenizer: Any, special: SpecialIds, max_positions: int) ->
     }
 
 
-def _write_json(path: str, obj: dict) -> None:
+def write_json(path: str, obj: dict) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
+
+
+def save_tensors(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> None:
+    """safetensors as torch writes it ({"format": "pt"} in the header), with the umask's usual permissions."""
+    from safetensors.numpy import save_file
+
+    save_file(dict(tensors), path, metadata={"format": "pt", **(metadata or {})})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # save_file creates it 0600 (a temp file); make it like the others
 
 
 def write_export(out_dir: str, params: Mapping[str, Any], shape: ModelShape, max_positions: int,
@@ -184,8 +194,6 @@ def write_export(out_dir: str, params: Mapping[str, Any], shape: ModelShape, max
     it no tokenizer files are written. `special` (default: found in the tokenizer) names bos and eos. `tokenizer_file`, the tokenizer.json it
     was loaded from, is copied byte for byte when given (else the tokenizer is serialized).
     """
-    from safetensors.numpy import save_file
-
     if tokenizer is not None:
         special = special or special_ids(tokenizer)
         if tokenizer.get_vocab_size() > shape.vocab_size:
@@ -194,20 +202,16 @@ def write_export(out_dir: str, params: Mapping[str, Any], shape: ModelShape, max
     special = special or SpecialIds(None, None, "none")
     tensors = hf_state_dict(params, shape)
     os.makedirs(out_dir, exist_ok=True)
-    weights = os.path.join(out_dir, WEIGHTS)
-    save_file(tensors, weights, metadata={"format": "pt", **(metadata or {})})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(weights, 0o666 & ~umask)  # save_file creates it 0600 (a temp file); make it like the others
-    _write_json(os.path.join(out_dir, "config.json"), hf_config(shape, max_positions, special))
-    _write_json(os.path.join(out_dir, "generation_config.json"), generation_config(special))
+    save_tensors(os.path.join(out_dir, WEIGHTS), tensors, metadata)
+    write_json(os.path.join(out_dir, "config.json"), hf_config(shape, max_positions, special))
+    write_json(os.path.join(out_dir, "generation_config.json"), generation_config(special))
     written = ["config.json", WEIGHTS, "generation_config.json"]
     if tokenizer is not None:
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, os.path.join(out_dir, "tokenizer.json"))
         else:
             tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-        _write_json(os.path.join(out_dir, "tokenizer_config.json"),
+        write_json(os.path.join(out_dir, "tokenizer_config.json"),
                     tokenizer_config(tokenizer, special, max_positions))
         written += ["tokenizer.json", "tokenizer_config.json"]
     return written
