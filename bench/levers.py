@@ -1,12 +1,13 @@
 """Optimizer and schedule levers at a fixed time budget, measured outside the trainer (slm/ is not changed).
 
-    .venv/bin/python bench/levers.py                         # 4 variants x 2 seeds, 400 AdamW steps each (~20 min)
+    .venv/bin/python bench/levers.py                         # 4 variants x 2 seeds, 280 AdamW steps each (~16 min)
     .venv/bin/python bench/levers.py --steps 100 --seeds 0   # a quick look
     .venv/bin/python bench/levers.py --variants adamw-cosine,muon-cosine --muon-lr 0.01,0.02,0.04
 
 The quality race's setting: tinyshakespeare_train.txt, the trainer's 800K-parameter shape (4 x 128, d_ff 264,
 its byte-level BPE of 1,024 tokens trained on the train file), seq 128, batch 32, the trainer's default peak
-learning rate for that size (6e-4 * sqrt(125M / N) = 7.5e-3), 100 warm-up steps, gradient clip 1.0, weight decay
+learning rate for that size (6e-4 * sqrt(125M / N) = 7.5e-3), 100 warm-up steps (not capped: the race's
+--max-time run does not know its length; --warmup-cap caps them at 20% as a --max-steps run does), gradient clip 1.0, weight decay
 0.1 on matrices, the trainer's StreamingDataLoader (seeded: the same batches for every variant of a seed) and
 the trainer's model code; one host device. Scored on the whole val split (tinyshakespeare_val.txt, the trainer's
 eval-set packing, non-overlapping 128-token rows) in bits per byte of the file (nats / ln 2 / 111,540).
@@ -23,7 +24,7 @@ Schedules (progress = step / the variant's step budget):
   wsd    warm-up-stable-decay: linear warm-up, the peak until --decay-frac of the budget is left, then linear to 0.
 
 A fixed time budget, without letting other programs' load decide the step count: the budget is --steps
-steps of the trainer's AdamW (400: about what the quality race's ~150 s gives the trainer on a quiet machine),
+steps of the trainer's AdamW (280: what the quality race's ~93 s gave the trainer on 2026-11-24, quiet),
 and every variant gets the same time: steps x (AdamW's step time / its own), both step times measured here
 first, interleaved (rounds of one window per optimizer, median over --rounds), so the ratio holds whatever the
 load (the schedule choice costs nothing; Muon's Newton-Schulz iterations do). Each variant is trained with every seed (init and data order), and the table gives mean, spread (min-max)
@@ -63,7 +64,7 @@ HIDDEN = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}  # hidden matrices: kernel 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=400, help="the time budget, in steps of the trainer's AdamW")
+    p.add_argument("--steps", type=int, default=280, help="the time budget, in steps of the trainer's AdamW")
     p.add_argument("--seeds", default="0,1", help="comma list")
     p.add_argument("--variants", default="adamw-cosine,adamw-wsd,muon-cosine,muon-wsd",
                    help="comma list of OPTIMIZER-SCHEDULE (adamw|muon)-(cosine|wsd)")
@@ -72,7 +73,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target-params", type=int, default=800_000)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=100, help="warm-up steps (the trainer's default)")
+    p.add_argument("--warmup-cap", action="store_true",
+                   help="cap warm-up at 20%% of each variant's steps, as the trainer does for --max-steps runs "
+                        "(default: uncapped, as for the quality race's --max-time run)")
     p.add_argument("--rounds", type=int, default=5, help="step-time rounds (median)")
     p.add_argument("--window", type=int, default=20, help="steps per step-time window")
     return p.parse_args()
@@ -81,7 +85,8 @@ def parse_args() -> argparse.Namespace:
 # ---------------------------------------------------------------- schedules and optimizers
 
 def schedule(kind: str, peak: float, warmup: int, total: int, decay_frac: float):
-    warmup = min(warmup, total // 5)
+    """lr(step). `warmup` is used whole, as in a --max-time run (a --max-steps run caps it at 20% of the run:
+    pass --warmup-cap to do that here)."""
 
     def lr(step):
         step = jnp.asarray(step, jnp.float32)
@@ -206,20 +211,21 @@ def variant_parts(name: str) -> tuple[str, str, float | None]:
     return opt.split("@")[0], sched, lr
 
 
-def step_times(s: Setup, optimizers: list[tuple[str, float | None]]) -> dict:
-    """Median seconds per step for each optimizer, measured in interleaved windows on one fixed batch."""
+def step_times(s: Setup, optimizers: list[str]) -> dict:
+    """Median seconds per step for each optimizer (its learning rate costs nothing), measured in interleaved
+    windows on one fixed batch."""
     batch = next(iter(s.loader(0).iter_epoch(0)))
     ids, targets = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["targets"])
     runs = {}
-    for opt, mlr in optimizers:
-        tx = make_tx(opt, 1e-3, mlr or 0.02)
+    for opt in optimizers:
+        tx = make_tx(opt, 1e-3, 0.02)
         params = init_params(s.model, 0, s.a.seq_len)
         state = tx.init(params)
         step = s.step_fn(tx)
         for _ in range(3):  # compile, warm up
             params, state, loss = step(params, state, ids, targets)
         loss.block_until_ready()
-        runs[(opt, mlr)] = [step, params, state, []]
+        runs[opt] = [step, params, state, []]
     for _ in range(s.a.rounds):
         for r in runs.values():
             step, params, state, times = r
@@ -234,8 +240,9 @@ def step_times(s: Setup, optimizers: list[tuple[str, float | None]]) -> dict:
 
 def train_one(s: Setup, opt: str, sched: str, muon_lr: float | None, steps: int, seed: int) -> dict:
     a = s.a
-    adam_lr = schedule(sched, s.adam_peak, a.warmup, steps, a.decay_frac)
-    mlr = schedule(sched, muon_lr, a.warmup, steps, a.decay_frac) if opt == "muon" else None
+    warmup = min(a.warmup, steps // 5) if a.warmup_cap else a.warmup
+    adam_lr = schedule(sched, s.adam_peak, warmup, steps, a.decay_frac)
+    mlr = schedule(sched, muon_lr, warmup, steps, a.decay_frac) if opt == "muon" else None
     tx = make_tx(opt, adam_lr, mlr)
     params = init_params(s.model, seed, a.seq_len)
     state = tx.init(params)
@@ -268,18 +275,18 @@ def main() -> None:
     sh = s.shape
     print(f"model {s.n_params:,} params ({sh.n_layers}x{sh.d_model}, d_ff {sh.d_ff}, vocab {sh.vocab_size}), "
           f"seq {a.seq_len}, batch {a.batch_size}, adamw peak lr {s.adam_peak:.2e}; val {s.val_bytes:,} bytes", flush=True)
-    opts = sorted({(variant_parts(n)[0], variant_parts(n)[2]) for n in names} | {("adamw", None)}, key=str)
+    opts = sorted({variant_parts(n)[0] for n in names} | {"adamw"})
     times = step_times(s, opts)
-    base_t = times[("adamw", None)]
+    base_t = times["adamw"]
     budget = {k: max(1, int(a.steps * base_t / t)) for k, t in times.items()}
-    for (opt, mlr), t in times.items():
-        print(f"  step time {opt}{'' if mlr is None else f'@{mlr:g}'}: {t * 1e3:.1f} ms (median of {a.rounds} "
-              f"interleaved windows, {t / base_t:.3f}x AdamW's) -> {budget[(opt, mlr)]} steps", flush=True)
+    for opt, t in times.items():
+        print(f"  step time {opt}: {t * 1e3:.1f} ms (median of {a.rounds} interleaved windows, {t / base_t:.3f}x "
+              f"AdamW's) -> {budget[opt]} steps", flush=True)
     results = {n: [] for n in names}
     for seed in seeds:  # seeds outermost: a load change hits every variant of a seed alike
         for n in names:
             opt, sched, mlr = variant_parts(n)
-            steps = budget[(opt, mlr)]
+            steps = budget[opt]
             r = train_one(s, opt, sched, mlr, steps, seed)
             r["steps"] = steps
             results[n].append(r)
