@@ -139,6 +139,7 @@ def device_breakdown(
     fsdp: bool = False,
     finetune: Finetune | None = None,
     platform: str = "cpu",
+    optimizer: str = "adamw",
 ) -> dict[str, int]:
     """Bytes per device for one replica of the train step (micro_batch = sequences on this device).
 
@@ -163,7 +164,8 @@ def device_breakdown(
         out = {
             "params": 4 * n,
             "gradients": 4 * n,
-            "optimizer_state": optimizer_state_bytes(shape, use_8bit_optimizer, gradient_accumulation_steps) - accumulation,
+            "optimizer_state": optimizer_state_bytes(shape, use_8bit_optimizer, gradient_accumulation_steps,
+                                                     optimizer=optimizer) - accumulation,
             "accumulation": accumulation,
             "activations": activations,
             "logits": logits,
@@ -253,6 +255,7 @@ def fit_candidates(
     user: tuple[bool, bool, bool] = (False, False, False),
     finetune: Finetune | None = None,
     base_dtypes: tuple[str, ...] = (),
+    optimizer: str = "adamw",
 ) -> list[dict]:
     """Settings that keep the effective batch (batch_size x accumulation sequences) and fit the budget.
 
@@ -277,7 +280,7 @@ def fit_candidates(
             dev = device_breakdown(shape, seq_len, micro // devices, mixed_precision=mixed,
                                    gradient_checkpointing=remat, use_8bit_optimizer=eight,
                                    gradient_accumulation_steps=effective // micro, devices=devices,
-                                   finetune=ft, platform=platform)
+                                   finetune=ft, platform=platform, optimizer=optimizer)
             host = host_breakdown(shape, dev, devices, platform, data_mb, eight)["total"] * MB
             peak = host if platform == "cpu" else dev["total"]
             if peak > (1 - margin) * budget_bytes:
@@ -340,6 +343,7 @@ def estimate_memory_usage(
     lora_rank: int | None = None,
     lora_targets: tuple[str, ...] | list[str] = ("q_proj", "v_proj"),
     base_dtype: str = "float32",
+    optimizer: str = "adamw",
 ) -> dict:
     """Memory of a run in MB: the data side always, and the whole run when a model is given.
 
@@ -363,6 +367,7 @@ def estimate_memory_usage(
     frozen base held in `base_dtype` (slm/memory/finetune.py): the breakdown gains base_params_mb and
     base_casts_mb, params/gradients/optimizer state are the adapters', and `trainable_params` and
     `model_params` are added. `platform="gpu"` adds runtime_mb (the CUDA context) to the device total.
+    `optimizer="muon"`: Muon's one momentum on the hidden matrices instead of Adam's two (slm/optim/muon.py).
     The result is a dict that prints as a table (also in notebooks).
     """
     mb = 1 / MB
@@ -383,7 +388,7 @@ def estimate_memory_usage(
     dev = device_breakdown(shape, seq_len, batch_size // devices, mixed_precision=mixed_precision,
                            gradient_checkpointing=gradient_checkpointing, use_8bit_optimizer=use_8bit_optimizer,
                            gradient_accumulation_steps=gradient_accumulation_steps, devices=devices,
-                           fsdp=sharding == "fsdp", finetune=finetune, platform=platform)
+                           fsdp=sharding == "fsdp", finetune=finetune, platform=platform, optimizer=optimizer)
     for k, v in dev.items():
         out[f"{k}_mb" if k != "total" else "device_total_mb"] = round(v * mb, 3)
     data_mb = streaming_mb if streaming else full

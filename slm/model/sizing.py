@@ -185,17 +185,37 @@ def param_shapes(shape: ModelShape) -> list[tuple[int, ...]]:
     return [(V, D)] * (1 if shape.tie_embeddings else 2) + per_block * L + [(D,)]
 
 
+def hidden_matrix_shapes(shape: ModelShape) -> list[tuple[int, int]]:
+    """The hidden matrices (attention q/k/v and output, MLP gate/up and down kernels): Muon's share."""
+    D, F = shape.d_model, shape.d_ff
+    q, qkv = shape.n_heads * shape.head_dim, (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim
+    return [(D, qkv), (q, D), (D, 2 * F), (F, D)] * shape.n_layers
+
+
 def optimizer_state_bytes(shape: ModelShape, use_8bit: bool = False, accumulation: int = 1,
-                          min_8bit_size: int = 4096, block: int = 256) -> int:
+                          min_8bit_size: int = 4096, block: int = 256, optimizer: str = "adamw") -> int:
     """Exact bytes of train_step.make_optimizer's state for this model (tests check it against nbytes).
 
     float32 AdamW: m and v, 4 + 4 bytes per parameter. 8-bit (adam8bit.py): for each array of at least
     `min_8bit_size` elements, 1 + 1 byte of codes per element and 4 + 4 bytes per `block` elements (the
     scales; a partial last block counts whole), i.e. 2.03 bytes/param; smaller arrays stay float32.
     Plus the parameter-sized float32 accumulator of optax.MultiSteps when accumulation > 1, and a few
-    scalars (step counts, the non-finite guard's flags).
+    scalars (step counts, the non-finite guard's flags). With `optimizer="muon"` the hidden matrices hold
+    one momentum (4 bytes/param, 2 with `use_8bit`) instead of Adam's two.
     """
-    return adam_state_bytes(param_shapes(shape), use_8bit, accumulation, min_8bit_size, block)
+    if optimizer != "muon":
+        return adam_state_bytes(param_shapes(shape), use_8bit, accumulation, min_8bit_size, block)
+    # Muon (slm.optim.muon): one momentum per hidden matrix, float32 or (with 8-bit) bfloat16, and three
+    # counts and its 3 Newton-Schulz coefficients; AdamW's state for the other arrays.
+    hidden = hidden_matrix_shapes(shape)
+    rest = list(param_shapes(shape))
+    for s in hidden:
+        rest.remove(s)
+    n_hidden = sum(math.prod(s) for s in hidden)
+    total = adam_state_bytes(rest, use_8bit, 1, min_8bit_size, block) + (2 if use_8bit else 4) * n_hidden + 4 * 3 + 4 * 2
+    if accumulation > 1:
+        total += 4 * count_params(shape) + 4 + 4
+    return total
 
 
 def adam_state_bytes(shapes: list[tuple[int, ...]], use_8bit: bool = False, accumulation: int = 1,

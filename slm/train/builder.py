@@ -52,13 +52,22 @@ class StepSpec:
     doc_start: int | None = None  # document masking: the token packed documents begin at
     lora: LoraSpec | None = None  # adapters train, the base is frozen (an input of the step)
     base_dtype: str = "float32"  # the frozen base's dtype, with lora
+    optimizer: str = "adamw"  # or "muon" (slm.optim.muon)
+    muon_lr_ratio: float = 1.0  # Muon's peak learning rate / AdamW's
 
     @classmethod
     def from_config(cls, c: Any, shape: ModelShape, doc_start: int | None = None) -> StepSpec:
         """The spec of a slm.train.config.Config (or a run's config.json as a namespace)."""
         return cls(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, c.use_mixed_precision,
                    c.gradient_checkpointing, c.use_8bit_optimizer, c.weight_decay, c.grad_clip, c.sharding, c.seed,
-                   doc_start, lora_spec(c), getattr(c, "base_dtype", "float32"))
+                   doc_start, lora_spec(c), getattr(c, "base_dtype", "float32"), *optimizer_of(c))
+
+
+def optimizer_of(c: Any) -> tuple[str, float]:
+    """(optimizer, Muon's peak rate / AdamW's) of a Config or a run's config (runs before Muon: adamw)."""
+    get = c.get if isinstance(c, dict) else lambda k, d=None: getattr(c, k, d)
+    optimizer = get("optimizer", "adamw")
+    return optimizer, (get("muon_learning_rate", 0.02) / get("learning_rate") if optimizer == "muon" else 1.0)
 
 
 def lora_spec(c: Any) -> LoraSpec | None:
@@ -91,7 +100,8 @@ def model_and_optimizer(spec: StepSpec) -> tuple[Transformer, optax.GradientTran
     """The Flax model, the optax transformation and the state's shapes (jax.eval_shape: nothing allocated)."""
     model = Transformer(spec.shape, dtype=jnp.bfloat16 if spec.mixed_precision else jnp.float32, remat=spec.remat,
                         doc_start=spec.doc_start, lora=spec.lora)
-    tx = make_optimizer(spec.weight_decay, spec.grad_clip, spec.accumulation, use_8bit=spec.use_8bit)
+    tx = make_optimizer(spec.weight_decay, spec.grad_clip, spec.accumulation, use_8bit=spec.use_8bit,
+                        optimizer=spec.optimizer, muon_lr_ratio=spec.muon_lr_ratio)
     return model, tx, jax.eval_shape(lambda: fresh_state(trainable_init(model, spec), tx))
 
 
@@ -270,7 +280,8 @@ def _restore(run_dir: str, step: int | None, tokenizer: Any, special: SpecialIds
         config = json.load(f)
     shape = ModelShape(**config["model"])
     spec = StepSpec(shape, 8, 1, config["gradient_accumulation_steps"], use_8bit=config.get("use_8bit_optimizer", False),
-                    weight_decay=config["weight_decay"], grad_clip=config["grad_clip"], lora=lora_spec(config))
+                    weight_decay=config["weight_decay"], grad_clip=config["grad_clip"], lora=lora_spec(config),
+                    **dict(zip(("optimizer", "muon_lr_ratio"), optimizer_of(config))))
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # whatever mesh saved it
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
                             model_and_optimizer(spec)[2])

@@ -83,6 +83,10 @@ class Config:
     batch_size: int = setting(32, "Sequences per micro-batch", IDENTITY, "sequences")
     gradient_accumulation_steps: int = setting(1, "Micro-batches per optimizer step (optax.MultiSteps)", IDENTITY, "micro-batches")
     learning_rate: float | None = setting(None, "Peak AdamW learning rate (default: 6e-4 * sqrt(125M / params), at most 1e-2)", IDENTITY)
+    optimizer: str = setting("adamw", "adamw: AdamW on every parameter; muon: Muon on the hidden matrices (attention and MLP kernels), AdamW on embedding, head and norms (slm/optim/muon.py)", IDENTITY, choices=("adamw", "muon"))
+    muon_learning_rate: float = setting(0.02, "With --optimizer muon: peak learning rate of the hidden matrices (follows the same schedule as --learning-rate)", IDENTITY)
+    schedule: str = setting("cosine", "cosine: warmup, then cosine to 10% of the peak; wsd: warmup, the peak until --decay-fraction of the run (of --max-time's time, --max-steps' steps) is left, then linear to 0", IDENTITY, choices=("cosine", "wsd"))
+    decay_fraction: float = setting(0.2, "With --schedule wsd: the last fraction of the run over which the rate decays to 0", IDENTITY, "fraction")
     warmup_steps: int = setting(100, "Linear warmup (optimizer steps; capped at 20% of the run when its length is known)", IDENTITY, "steps")
     weight_decay: float = setting(0.1, "Decoupled weight decay on matrices", IDENTITY)
     grad_clip: float = setting(1.0, "Clip gradients to this global norm (0: off)", IDENTITY)
@@ -189,7 +193,7 @@ def apply_preset(c: Config, name: str, explicit: set[str] | None = None) -> list
 
 POSITIVE = ("checkpoint_minutes", "keep_checkpoints", "memory_alert_mb", "batch_size", "gradient_accumulation_steps",
             "target_params", "epochs", "eval_every", "eval_tokens", "log_every", "checkpoint_every",
-            "max_time", "learning_rate", "vocab_size", "n_layers", "d_model", "n_heads", "max_examples",
+            "max_time", "learning_rate", "muon_learning_rate", "vocab_size", "n_layers", "d_model", "n_heads", "max_examples",
             "cpu_devices", "num_processes")
 NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "shuffle_buffer_size", "skip_nonfinite")
 
@@ -207,6 +211,14 @@ def validate(c: Config) -> None:
         raise ConfigError(f"--seq-len {c.seq_len}: must be at least 2")
     if c.stride is not None and not 1 <= c.stride <= c.seq_len:
         raise ConfigError(f"--stride {c.stride}: must be between 1 and --seq-len ({c.seq_len})")
+    if c.optimizer not in ("adamw", "muon"):
+        raise ConfigError(f"--optimizer {c.optimizer}: choose adamw or muon")
+    if c.optimizer == "muon" and c.lora_rank is not None:
+        raise ConfigError("--optimizer muon with --lora-rank: adapters are low-rank by design; use --optimizer adamw")
+    if c.schedule not in ("cosine", "wsd"):
+        raise ConfigError(f"--schedule {c.schedule}: choose cosine or wsd")
+    if not 0 < c.decay_fraction <= 1:
+        raise ConfigError(f"--decay-fraction {c.decay_fraction}: must be in (0, 1]")
     if c.sharding not in ("dp", "fsdp"):
         raise ConfigError(f"--sharding {c.sharding}: choose dp (replicated state) or fsdp (state split over devices)")
     if c.process_id is not None and not 0 <= c.process_id < (c.num_processes or 1):

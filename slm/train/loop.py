@@ -134,7 +134,7 @@ class Callback:
 
 @dataclass
 class Schedule:
-    """The learning rate at a step: warmup by steps, then cosine over the run's progress, which is by
+    """The learning rate at a step: warmup by steps, then cosine or WSD over the run's progress, which is by
     steps (--max-steps), by the fraction of --max-time spent (process 0's clock), or by tokens."""
 
     peak: float
@@ -143,6 +143,8 @@ class Schedule:
     max_time: float | None = None
     start: float = 0.0  # what --max-time counts from
     epochs: int = 1
+    kind: str = "cosine"  # or "wsd" (slm.optim.schedule.lr_at)
+    decay_frac: float = 0.2
 
     def lr(self, run: RunState, now: float, procs: Processes) -> float:
         if self.max_steps:
@@ -153,7 +155,8 @@ class Schedule:
             progress = run.tokens / run.est_total_tokens if run.est_total_tokens else 0.0
         if run.warmup_end is None and run.step >= self.warmup:
             run.warmup_end = progress
-        return lr_at(progress, run.step, self.peak, self.warmup, warmup_end=run.warmup_end or 0.0)
+        return lr_at(progress, run.step, self.peak, self.warmup, warmup_end=run.warmup_end or 0.0,
+                     kind=self.kind, decay_frac=self.decay_frac)
 
     def epoch_done(self, run: RunState) -> None:
         if run.epoch == 0 and not (self.max_steps or self.max_time):  # one epoch counted: the schedule is exact

@@ -318,7 +318,7 @@ def fit_choices(c: Config, data: TrainData, procs: Processes) -> list[dict]:
                               min(budget, int(limit * 2**20)) if limit else budget, max_devices=len(jax.devices()),
                               platform=platform, data_mb=data.data_mb,
                               user=(c.use_8bit_optimizer, c.use_mixed_precision, c.gradient_checkpointing),
-                              finetune=finetune_of(c))
+                              finetune=finetune_of(c), optimizer=c.optimizer)
 
     choices = procs.decide0(candidates)
     if not choices:
@@ -381,7 +381,7 @@ def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None)
                                 mixed_precision=c.use_mixed_precision, use_8bit_optimizer=c.use_8bit_optimizer,
                                 gradient_accumulation_steps=c.gradient_accumulation_steps,
                                 gradient_checkpointing=c.gradient_checkpointing, streaming=c.use_streaming,
-                                devices=n_dev, platform=platform, sharding=c.sharding, **lora)
+                                devices=n_dev, platform=platform, sharding=c.sharding, optimizer=c.optimizer, **lora)
     est["data_pipeline_mb"] = round(data.data_mb, 3)
     if platform == "cpu":
         limit = available_host_mb()

@@ -225,7 +225,10 @@ def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state
             json.dump(resolved, f, indent=2)
     acc, n_dev = c.gradient_accumulation_steps, facts.devices
     env.log(f"[model] {describe(data.shape, c.seq_len)}")
-    env.log(f"[optimizer] AdamW, {'8-bit block-quantized' if c.use_8bit_optimizer else 'float32'} moments"
+    muon = (f"Muon (peak lr {c.muon_learning_rate:g}, {'bfloat16' if c.use_8bit_optimizer else 'float32'} momentum) "
+            f"on the hidden matrices, AdamW (peak lr {c.learning_rate:.2e}) on the rest with "
+            if c.optimizer == "muon" else "AdamW, ")
+    env.log(f"[optimizer] {muon}{'8-bit block-quantized' if c.use_8bit_optimizer else 'float32'} moments"
             f"{', MultiSteps x' + str(acc) if acc > 1 else ''}: state {opt_bytes / 2**20:,.2f} MB "
             f"({opt_bytes / trainable:.2f} bytes/trained param)")
     if base is not None:
@@ -257,7 +260,7 @@ def loop_plan(c: Config, data: TrainData, start: float) -> LoopPlan:
     warmup = warmup_for(c.warmup_steps, c.max_steps,
                         est_total_tokens / tokens_per_step if est_total_tokens is not None else None)
     epochs = c.epochs or (10**9 if (c.max_steps or c.max_time) else 1)
-    schedule = Schedule(c.learning_rate, warmup, c.max_steps, c.max_time, start, epochs)
+    schedule = Schedule(c.learning_rate, warmup, c.max_steps, c.max_time, start, epochs, c.schedule, c.decay_fraction)
     cadence = Cadence(c.log_every, c.eval_every, c.checkpoint_every, c.checkpoint_minutes)
     return LoopPlan(epochs, c.gradient_accumulation_steps, tokens_per_step, c.batch_size * c.seq_len, schedule,
                     cadence)

@@ -118,6 +118,10 @@ def test_bad_input_errors(tmp_path, capsys, monkeypatch, data_dir):
         (["--dataset-id", shakespeare, "--learning-rate", "-1"], "--learning-rate"),
         (["--dataset-id", shakespeare, "--d-model", "96", "--n-heads", "32"], "odd head dim"),
         (["--dataset-id", str(one_doc)], "leaves nothing to train on"),
+        (["--dataset-id", shakespeare, "--optimizer", "muon", "--init-from", str(tmp_path), "--lora-rank", "4"],
+         "--optimizer muon with --lora-rank"),
+        (["--dataset-id", shakespeare, "--schedule", "wsd", "--decay-fraction", "1.5"], "--decay-fraction"),
+        (["--dataset-id", shakespeare, "--optimizer", "muon", "--muon-learning-rate", "0"], "--muon-learning-rate"),
     ]
     for args, needle in cases:
         assert needle in _bad(tmp_path, capsys, monkeypatch, *args), args

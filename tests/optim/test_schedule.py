@@ -23,3 +23,14 @@ def test_warmup_is_capped_at_a_fifth_of_a_known_run():
     assert warmup_for(100, max_steps=200) == 40
     assert warmup_for(100, est_total_steps=60.9) == 12
     assert warmup_for(100, max_steps=1000, est_total_steps=100) == 20
+
+
+def test_wsd_holds_the_peak_then_decays_linearly_to_zero_over_the_last_fraction():
+    wsd = dict(kind="wsd", decay_frac=0.2)
+    assert lr_at(0.0, 4, 1.0, 10, **wsd) == pytest.approx(0.5)  # warmup as for cosine
+    assert lr_at(0.3, 30, 1.0, 10, **wsd) == pytest.approx(1.0) == lr_at(0.8, 80, 1.0, 10, **wsd)
+    assert lr_at(0.9, 90, 1.0, 10, **wsd) == pytest.approx(0.5)
+    assert lr_at(1.0, 100, 1.0, 10, **wsd) == pytest.approx(0.0)
+    assert lr_at(1.3, 130, 1.0, 10, **wsd) == 0.0  # a --max-time run's last steps past its budget
+    # by the fraction of the budget left, not the step: a --max-time run decays over its last 20% of time
+    assert lr_at(0.95, 7, 2.0, 5, **wsd) == pytest.approx(0.5)
