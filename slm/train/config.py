@@ -83,11 +83,11 @@ class Config:
     batch_size: int = setting(32, "Sequences per micro-batch", IDENTITY, "sequences")
     gradient_accumulation_steps: int = setting(1, "Micro-batches per optimizer step (optax.MultiSteps)", IDENTITY, "micro-batches")
     learning_rate: float | None = setting(None, "Peak AdamW learning rate (default: 6e-4 * sqrt(125M / params), at most 1e-2)", IDENTITY)
-    optimizer: str = setting("adamw", "adamw: AdamW on every parameter; muon: Muon on the hidden matrices (attention and MLP kernels), AdamW on embedding, head and norms (slm/optim/muon.py)", IDENTITY, choices=("adamw", "muon"))
+    optimizer: str | None = setting(None, "muon: Muon on the hidden matrices (attention and MLP kernels), AdamW on embedding, head, norms (slm/optim/muon.py); adamw: AdamW on every parameter. Default: muon, adamw with --lora-rank", IDENTITY, unset="auto", choices=("adamw", "muon"))
     muon_learning_rate: float = setting(0.02, "With --optimizer muon: peak learning rate of the hidden matrices (follows the same schedule as --learning-rate)", IDENTITY)
-    schedule: str = setting("cosine", "cosine: warmup, then cosine to 10% of the peak; wsd: warmup, the peak until --decay-fraction of the run (of --max-time's time, --max-steps' steps) is left, then linear to 0", IDENTITY, choices=("cosine", "wsd"))
+    schedule: str = setting("wsd", "cosine: warmup, then cosine to 10% of the peak; wsd: warmup, the peak until --decay-fraction of the run (of --max-time's time, --max-steps' steps) is left, then linear to 0", IDENTITY, choices=("cosine", "wsd"))
     decay_fraction: float = setting(0.2, "With --schedule wsd: the last fraction of the run over which the rate decays to 0", IDENTITY, "fraction")
-    warmup_steps: int = setting(100, "Linear warmup (optimizer steps; capped at 20% of the run when its length is known)", IDENTITY, "steps")
+    warmup_steps: int = setting(100, "Linear warmup (optimizer steps; over at most the first 20% of the run: of its steps, or of its time with --max-time)", IDENTITY, "steps")
     weight_decay: float = setting(0.1, "Decoupled weight decay on matrices", IDENTITY)
     grad_clip: float = setting(1.0, "Clip gradients to this global norm (0: off)", IDENTITY)
     use_mixed_precision: bool = setting(False, "bfloat16 compute with float32 master weights", IDENTITY)
@@ -211,7 +211,7 @@ def validate(c: Config) -> None:
         raise ConfigError(f"--seq-len {c.seq_len}: must be at least 2")
     if c.stride is not None and not 1 <= c.stride <= c.seq_len:
         raise ConfigError(f"--stride {c.stride}: must be between 1 and --seq-len ({c.seq_len})")
-    if c.optimizer not in ("adamw", "muon"):
+    if c.optimizer not in (None, "adamw", "muon"):
         raise ConfigError(f"--optimizer {c.optimizer}: choose adamw or muon")
     if c.optimizer == "muon" and c.lora_rank is not None:
         raise ConfigError("--optimizer muon with --lora-rank: adapters are low-rank by design; use --optimizer adamw")

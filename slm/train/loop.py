@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from slm.optim.schedule import lr_at
+from slm.optim.schedule import lr_at, warmup_done
 from slm.train.devices import Processes
 from slm.train.throughput import Throughput
 
@@ -54,7 +54,7 @@ class Timings:
 
 # Keys of RunState saved in each checkpoint's meta record (with "processes"), the names older runs used.
 SAVED = ("step", "tokens", "epoch", "micro_step", "epoch_micro", "warmup_end", "est_total_tokens", "data_digest",
-         "skipped_nonfinite", "base_fingerprint")
+         "skipped_nonfinite", "base_fingerprint", "train_from")
 
 
 @dataclass
@@ -68,6 +68,7 @@ class RunState:
     micro_step: int = 0
     epoch_micro: int = 0  # micro-steps into this epoch (the full-load path resumes by it)
     warmup_end: float | None = None  # run progress when warmup finished: the cosine spans the rest
+    train_from: float | None = None  # run progress at the first step (a --max-time run's startup came before)
     est_total_tokens: float | None = None  # epochs-bounded runs: the schedule's length
     data_digest: str = ""  # sha256 chained over every micro-batch consumed
     skipped_nonfinite: int = 0
@@ -153,10 +154,12 @@ class Schedule:
             progress = procs.value0((now - self.start) / self.max_time)
         else:
             progress = run.tokens / run.est_total_tokens if run.est_total_tokens else 0.0
-        if run.warmup_end is None and run.step >= self.warmup:
+        if run.train_from is None:
+            run.train_from = min(progress, 0.5)
+        if run.warmup_end is None and warmup_done(progress, run.step, self.warmup, run.train_from):
             run.warmup_end = progress
         return lr_at(progress, run.step, self.peak, self.warmup, warmup_end=run.warmup_end or 0.0,
-                     kind=self.kind, decay_frac=self.decay_frac)
+                     kind=self.kind, decay_frac=self.decay_frac, warmup_from=run.train_from)
 
     def epoch_done(self, run: RunState) -> None:
         if run.epoch == 0 and not (self.max_steps or self.max_time):  # one epoch counted: the schedule is exact

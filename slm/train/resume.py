@@ -21,6 +21,10 @@ from slm.train.config import (
 )
 
 
+# What a run saved before a setting existed used: a default that changed later must not change its resume.
+BEFORE_THE_SETTING = {"optimizer": "adamw", "schedule": "cosine"}
+
+
 def run_dir_of(c: Config) -> str:
     """The run directory `c.resume` names (--resume RUN_DIR, or --resume with --output-dir)."""
     run = c.output_dir if c.resume == "latest" else c.resume
@@ -44,6 +48,7 @@ def resume_config(c: Config, explicit: set[str] | None = None) -> Config:
             saved = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--resume {run}: no readable config.json there ({e}); pass the output dir of a run")
+    saved = {**BEFORE_THE_SETTING, **saved}
     explicit = explicit_fields(c) if explicit is None else explicit
     identity = set(fields_with(IDENTITY)) - {"tokenizer"}  # the tokenizer is the run's own file: checked below
     differs = [f"{flag_name(k)} {getattr(c, k)} (the run used {saved.get(k)})"

@@ -55,6 +55,7 @@ def test_tiny_run_writes_every_output(tiny_run):
                 "model", "params", "vocab_size", "dataset", "use_streaming"):
         assert key in config
     assert config["params"] == pytest.approx(150_000, rel=0.05)
+    assert (config["optimizer"], config["schedule"]) == ("muon", "wsd")  # the defaults, resolved and recorded
     assert Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size() == config["vocab_size"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]

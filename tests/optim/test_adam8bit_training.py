@@ -88,7 +88,7 @@ def test_compiled_step_peak_memory_is_below_fp32_adamw():
 def _run(tmp_path, data_dir, name, seed, use_8bit):
     c = Config(use_streaming=True, dataset_id=str(data_dir / "tinyshakespeare_train.txt"),
                eval_dataset_id=str(data_dir / "tinyshakespeare_val.txt"), target_params=200_000, seq_len=64,
-               batch_size=16, max_steps=300, seed=seed, use_8bit_optimizer=use_8bit, eval_every=10**6,
+               batch_size=16, max_steps=300, seed=seed, use_8bit_optimizer=use_8bit, eval_every=10**6, optimizer="adamw",
                log_every=50, checkpoint_every=10**6, output_dir=str(tmp_path / f"{name}-{seed}"))
     return train(c, log=lambda *_: None)
 

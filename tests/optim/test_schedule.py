@@ -34,3 +34,16 @@ def test_wsd_holds_the_peak_then_decays_linearly_to_zero_over_the_last_fraction(
     assert lr_at(1.3, 130, 1.0, 10, **wsd) == 0.0  # a --max-time run's last steps past its budget
     # by the fraction of the budget left, not the step: a --max-time run decays over its last 20% of time
     assert lr_at(0.95, 7, 2.0, 5, **wsd) == pytest.approx(0.5)
+
+
+def test_warmup_reaches_the_peak_by_a_fifth_of_a_timed_run():
+    """--max-time: the step count is unknown, so the ramp is also bounded by progress (time) / 0.2."""
+    assert lr_at(0.05, 4, 1.0, 100) == pytest.approx(0.25)  # time ahead of the step ramp (0.05)
+    assert lr_at(0.01, 49, 1.0, 100) == pytest.approx(0.5)  # the step ramp ahead of time
+    assert lr_at(0.2, 60, 1.0, 100, kind="wsd") == pytest.approx(1.0)  # done at 20% of the time
+    assert lr_at(0.2, 60, 1.0, 100, warmup_end=0.2) == pytest.approx(1.0)  # cosine starts from there
+    for s in range(40):  # a --max-steps run of 200 (warmup capped at 40): the step ramp always leads
+        assert lr_at(s / 200, s, 1.0, 40) == pytest.approx((s + 1) / 40)
+    # a run whose first step came at 10% of its --max-time (startup): 20% of the 90% left, from there
+    assert lr_at(0.19, 3, 1.0, 100, warmup_from=0.1) == pytest.approx(0.5)
+    assert lr_at(0.28, 5, 1.0, 100, kind="wsd", warmup_from=0.1) == pytest.approx(1.0)

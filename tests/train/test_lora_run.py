@@ -60,6 +60,7 @@ def test_lora_trains_adapters_resumes_exactly_and_exports_merged(tmp_path, folde
     assert np.isfinite(s["eval_loss"]) and s["steps"] == 4
     config = json.loads((whole / "config.json").read_text())
     assert len(config["base_fingerprint"]) == 64 and config["trainable_params"] == s["trainable_params"]
+    assert config["optimizer"] == "adamw"  # the default for adapters (Muon is for full matrices)
 
     # exact resume: interrupted after 2 steps, then resumed to 4, gives the same adapters (dropout masks included)
     values, explicit, _ = parse_flags(common + ["--max-steps", "4", "--output-dir", str(cut)])

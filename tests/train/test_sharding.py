@@ -147,13 +147,15 @@ BASELINE = textwrap.dedent("""
                                         shuffle_buffer_size=cfg["shuffle_buffer_size"], seed=cfg["seed"],
                                         skip_documents=cfg["held_out_documents"], shard=(i, 2))) for i in (0, 1)]
     model = Transformer(ModelShape(**cfg["model"]))
-    tx = make_optimizer(cfg["weight_decay"], cfg["grad_clip"])
+    tx = make_optimizer(cfg["weight_decay"], cfg["grad_clip"], optimizer=cfg["optimizer"],
+                        muon_lr_ratio=cfg["muon_learning_rate"] / cfg["learning_rate"])
     state, step = init_state(init_params(model, cfg["seed"], cfg["seq_len"]), tx), make_train_step(model, tx)
     losses, seen = [], [set(), set()]
     for s in range(cfg["max_steps"]):
         parts = [next(l) for l in loaders]
         batch = {{k: np.concatenate([p[k] for p in parts]) for k in ("input_ids", "targets")}}
-        lr = lr_at(s / cfg["max_steps"], s, cfg["learning_rate"], cfg["warmup_steps"])
+        lr = lr_at(s / cfg["max_steps"], s, cfg["learning_rate"], cfg["warmup_steps"], kind=cfg["schedule"],
+                   decay_frac=cfg["decay_fraction"])
         state, m = step(state, batch, np.float32(lr))
         losses.append(float(m["loss"]))
     docs = [list(source.documents(skip_head=cfg["held_out_documents"], shard=(i, 2))) for i in (0, 1)]

@@ -1,0 +1,147 @@
+"""Model-code levers for step speed, in one process, interleaved: where a step's time goes, and attention and
+cross-entropy variants against the trainer's own.
+
+    .venv/bin/python bench/step_variants.py                  # nanoGPT's baby shape: 4 x 128, vocab 65, seq 64, batch 12
+    .venv/bin/python bench/step_variants.py --target-params 800000 --seq-len 128 --batch-size 32
+
+The trainer's jitted step (AdamW, one host device per core, the batch split, a sync per step as the trainer
+does on multi-device CPU). First the phases of the base step (forward, forward + backward, the optimizer
+update, the whole step; median of 7 rounds of 30 calls). Then slm.model.transformer's attention or per-token
+loss swapped for a variant:
+
+  base        the trainer's einsum attention with a where-mask; logsumexp minus a gathered target logit
+  sdpa        jax.nn.dot_product_attention(implementation="xla", is_causal=True)
+  bias        an additive -1e30 mask instead of where
+  ce_optax    optax.softmax_cross_entropy_with_integer_labels
+  ce_onehot   the target logit by a one-hot product (no gather, whose gradient is a scatter)
+
+Each variant's first loss is printed (the same math: they must agree to float rounding); then --rounds
+rounds of 30 steps per variant, interleaved, and each variant's median against base's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from slm.train.devices import configure_cpu_devices  # noqa: E402
+
+configure_cpu_devices()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import slm.model.transformer as T  # noqa: E402
+import slm.train.step as S  # noqa: E402
+from slm.model.sizing import ModelShape, choose_shape  # noqa: E402
+from slm.optim.optimizer import make_optimizer  # noqa: E402
+from slm.train.devices import data_mesh, shardings  # noqa: E402
+
+BASE_ATTEND, BASE_NLL = T.attend, T.token_nll
+
+
+def sdpa(q, k, v, mask, dtype):
+    if mask.ndim == 2 and q.shape[2] == k.shape[2]:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla").astype(dtype)
+    return BASE_ATTEND(q, k, v, mask, dtype)
+
+
+def bias_attend(q, k, v, mask, dtype):
+    K = q.shape[-1]
+    logits = jnp.einsum("bqhk,bshk->bhqs", q * (K**-0.5), k, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits + jnp.where(mask, 0.0, -1e30).astype(jnp.float32), axis=-1).astype(dtype)
+    return jnp.einsum("bhqs,bshk->bqhk", probs, v)
+
+
+def ce_optax(model, params, ids, targets, dropout_rng=None):
+    logits = model.apply({"params": params}, ids)
+    return jnp.where(targets >= 0, optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(targets, 0)), 0.0)
+
+
+def ce_onehot(model, params, ids, targets, dropout_rng=None):
+    logits = model.apply({"params": params}, ids)
+    hot = jax.nn.one_hot(jnp.maximum(targets, 0), logits.shape[-1], dtype=logits.dtype)
+    return jnp.where(targets >= 0, jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * hot, axis=-1), 0.0)
+
+
+VARIANTS = {"base": (BASE_ATTEND, BASE_NLL), "sdpa": (sdpa, BASE_NLL), "bias": (bias_attend, BASE_NLL),
+            "ce_optax": (BASE_ATTEND, ce_optax), "ce_onehot": (BASE_ATTEND, ce_onehot)}
+
+
+def median_ms(f, rounds: int, n: int = 30) -> float:
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            jax.block_until_ready(f())
+        times.append((time.perf_counter() - t) / n)
+    return statistics.median(times) * 1e3
+
+
+def phases(shape, batch, rep, rounds: int) -> None:
+    """Forward, forward + backward, optimizer update and the whole step of the base model."""
+    model, tx = T.Transformer(shape), make_optimizer()
+    params = jax.device_put(T.init_params(model, 0, batch["input_ids"].shape[1]), rep)
+    loss = lambda p: T.mean_nll(T.token_nll(model, p, batch["input_ids"], batch["targets"]), batch["targets"])  # noqa: E731
+    fwd, grad = jax.jit(loss), jax.jit(jax.value_and_grad(loss))
+    grads, opt_state = grad(params)[1], jax.device_put(tx.init(params), rep)
+    update = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    state, step = jax.device_put(S.init_state(params, tx), rep), S.make_train_step(model, tx)
+    holder = [state]
+
+    def whole():
+        holder[0], m = step(holder[0], batch, np.float32(1e-3))
+        return m["loss"]
+
+    for name, f in (("forward", lambda: fwd(params)), ("forward + backward", lambda: grad(params)),
+                    ("optimizer update", lambda: update(grads, opt_state, params)), ("whole step", whole)):
+        f()
+        print(f"  {name:>20}: {median_ms(f, rounds):.2f} ms", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target-params", type=int, default=None, help="choose_shape(N, 1024) (default: nanoGPT's baby)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=7)
+    a = p.parse_args()
+    shape = (choose_shape(a.target_params, 1024) if a.target_params
+             else ModelShape(n_layers=4, d_model=128, n_heads=4, d_ff=344, vocab_size=65))
+    mesh = data_mesh(a.batch_size)
+    rep, split = shardings(mesh)
+    ids = np.random.default_rng(0).integers(0, shape.vocab_size, (a.batch_size, a.seq_len + 1)).astype(np.int32)
+    batch = {"input_ids": jax.device_put(ids[:, :-1], split), "targets": jax.device_put(ids[:, 1:], split)}
+    print(f"step_variants: {time.strftime('%Y-%m-%d %H:%M')}, {shape}, seq {a.seq_len}, batch {a.batch_size}, "
+          f"{mesh.devices.size} devices", flush=True)
+    phases(shape, batch, rep, a.rounds)
+    runs = {}
+    for name, (attend, nll) in VARIANTS.items():
+        T.attend, S.token_nll = attend, nll  # read when the step is traced (its first call, below)
+        model, tx = T.Transformer(shape), make_optimizer()
+        state = jax.device_put(S.init_state(T.init_params(model, 0, a.seq_len), tx), rep)
+        step = S.make_train_step(model, tx)
+        state, m = step(state, batch, np.float32(1e-3))
+        runs[name] = {"step": step, "state": state, "times": [], "loss0": float(m["loss"])}
+    T.attend, S.token_nll = BASE_ATTEND, BASE_NLL
+    for _ in range(a.rounds):
+        for r in runs.values():
+            t = time.perf_counter()
+            for _ in range(30):
+                r["state"], m = r["step"](r["state"], batch, np.float32(1e-3))
+                m["loss"].block_until_ready()
+            r["times"].append((time.perf_counter() - t) / 30)
+    base = statistics.median(runs["base"]["times"])
+    for name, r in runs.items():
+        med = statistics.median(r["times"])
+        print(f"  {name:>12}: {med * 1e3:.2f} ms (first loss {r['loss0']:.5f}) | {base / med:.3f}x base's speed")
+
+
+if __name__ == "__main__":
+    main()
