@@ -88,9 +88,10 @@ def phases(shape, batch, rep, rounds: int) -> None:
     """Forward, forward + backward, optimizer update and the whole step of the base model."""
     model, tx = T.Transformer(shape), make_optimizer()
     params = jax.device_put(T.init_params(model, 0, batch["input_ids"].shape[1]), rep)
-    loss = lambda p: T.mean_nll(T.token_nll(model, p, batch["input_ids"], batch["targets"]), batch["targets"])  # noqa: E731
+    loss = lambda p, x, y: T.mean_nll(T.token_nll(model, p, x, y), y)  # noqa: E731 (batch as arguments: split)
     fwd, grad = jax.jit(loss), jax.jit(jax.value_and_grad(loss))
-    grads, opt_state = grad(params)[1], jax.device_put(tx.init(params), rep)
+    x, y = batch["input_ids"], batch["targets"]
+    grads, opt_state = grad(params, x, y)[1], jax.device_put(tx.init(params), rep)
     update = jax.jit(lambda g, s, p: tx.update(g, s, p))
     state, step = jax.device_put(S.init_state(params, tx), rep), S.make_train_step(model, tx)
     holder = [state]
@@ -99,7 +100,7 @@ def phases(shape, batch, rep, rounds: int) -> None:
         holder[0], m = step(holder[0], batch, np.float32(1e-3))
         return m["loss"]
 
-    for name, f in (("forward", lambda: fwd(params)), ("forward + backward", lambda: grad(params)),
+    for name, f in (("forward", lambda: fwd(params, x, y)), ("forward + backward", lambda: grad(params, x, y)),
                     ("optimizer update", lambda: update(grads, opt_state, params)), ("whole step", whole)):
         f()
         print(f"  {name:>20}: {median_ms(f, rounds):.2f} ms", flush=True)
