@@ -12,7 +12,7 @@ learning rate for that size (6e-4 * sqrt(125M / N) = 7.5e-3), 100 warm-up steps 
 the trainer's model code; one host device. Scored on the whole val split (tinyshakespeare_val.txt, the trainer's
 eval-set packing, non-overlapping 128-token rows) in bits per byte of the file (nats / ln 2 / 111,540).
 
-Optimizers (built here with optax):
+Optimizers (the schedules built here with optax; Muon's split is the trainer's, slm.optim.muon.partition_muon):
   adamw  the trainer's: clip -> Adam (b1 0.9, b2 0.95, eps 1e-8) -> decoupled weight decay on matrices -> lr.
   muon   clip -> optax.partition: the hidden matrices (attention q, k, v and o; MLP gate, up and down) get
          optax.contrib.muon (Nesterov momentum 0.95, 5 Newton-Schulz steps, its width scaling, weight decay 0.1,
@@ -48,7 +48,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax import contrib
 
 from slm.data.heldout import build_eval_set
 from slm.data.readers import read_file
@@ -57,10 +56,8 @@ from slm.data.stream import StreamingDataLoader
 from slm.data.tokenizer import special_ids, train_bpe
 from slm.model.sizing import choose_shape, count_params, default_learning_rate
 from slm.model.transformer import Transformer, init_params, mean_nll, token_nll
+from slm.optim.muon import partition_muon
 from slm.train.step import make_eval_step
-
-HIDDEN = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}  # hidden matrices: kernel name -> matrices fused in it
-
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -102,54 +99,21 @@ def schedule(kind: str, peak: float, warmup: int, total: int, decay_frac: float)
     return lr
 
 
-def kernel_name(path) -> str | None:
-    keys = [getattr(k, "key", None) for k in path]
-    return keys[-2] if len(keys) >= 2 and keys[-1] == "kernel" and keys[-2] in HIDDEN else None
-
-
-def split_fused(tree):
-    """View fused kernels as stacks of matrices: qkv (D, 3D) -> (D, 3, D), gate_up (D, 2F) -> (D, 2, F)."""
-    def f(path, x):
-        name = kernel_name(path)
-        return x.reshape(x.shape[0], HIDDEN[name], -1) if name and HIDDEN[name] > 1 else x
-    return jax.tree_util.tree_map_with_path(f, tree)
-
-
-def join_fused(tree, like):
-    return jax.tree.map(lambda x, ref: x.reshape(ref.shape), tree, like)
-
-
-def with_split_view(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    def init(params):
-        return inner.init(split_fused(params))
-
-    def update(updates, state, params=None):
-        u, state = inner.update(split_fused(updates), state, None if params is None else split_fused(params))
-        return join_fused(u, updates), state
-
-    return optax.GradientTransformation(init, update)
-
-
-def adamw(lr, weight_decay: float = 0.1) -> optax.GradientTransformation:
+def adam_direction(lr, weight_decay: float = 0.1) -> optax.GradientTransformation:
+    """AdamW's direction times the (scheduled) rate, not negated: the trainer's AdamW chain with the rate in it."""
     return optax.chain(optax.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8),
                        optax.add_decayed_weights(weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
-                       optax.scale_by_learning_rate(lr))
+                       optax.scale_by_learning_rate(lr, flip_sign=False))
 
 
 def make_tx(optimizer: str, adam_lr, muon_lr) -> optax.GradientTransformation:
-    if optimizer == "adamw":
-        return optax.chain(optax.clip_by_global_norm(1.0), adamw(adam_lr))
-
-    def labels(params):
-        return jax.tree_util.tree_map_with_path(lambda path, x: "muon" if kernel_name(path) else "adamw", params)
-
-    def dims(params):  # every leaf the muon branch sees is a hidden matrix, possibly a (D, k, F) stack
-        return jax.tree.map(lambda x: contrib.MuonDimensionNumbers(0, x.ndim - 1), params)
-
-    muon = contrib.muon(learning_rate=muon_lr, beta=0.95, ns_steps=5, nesterov=True, weight_decay=0.1,
-                        muon_weight_dimension_numbers=dims)
-    inner = optax.partition({"muon": muon, "adamw": adamw(adam_lr)}, labels)
-    return optax.chain(optax.clip_by_global_norm(1.0), with_split_view(inner))
+    """clip -> AdamW, or the trainer's Muon split (slm.optim.muon: Muon at `muon_lr` on the hidden matrices,
+    fused kernels as their parts) with AdamW on the rest -> negated into an update, as make_optimizer + the
+    train step do."""
+    direction = adam_direction(adam_lr)
+    if optimizer == "muon":
+        direction = partition_muon(direction, muon_lr, weight_decay=0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0), direction, optax.scale(-1.0))
 
 
 # ---------------------------------------------------------------- training
