@@ -29,6 +29,7 @@ from slm.model.lora import LoraSpec, split
 from slm.model.sizing import ModelShape
 from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
+from slm.train.config import BEFORE_THE_SETTING
 from slm.train.devices import data_mesh, shardings, state_shardings
 from slm.train.step import TrainState, make_train_step
 from slm.train.step import init_state as fresh_state
@@ -66,7 +67,7 @@ class StepSpec:
 def optimizer_of(c: Any) -> tuple[str, float]:
     """(optimizer, Muon's peak rate / AdamW's) of a Config or a run's config (runs before Muon: adamw)."""
     get = c.get if isinstance(c, dict) else lambda k, d=None: getattr(c, k, d)
-    optimizer = get("optimizer", "adamw")
+    optimizer = get("optimizer") or BEFORE_THE_SETTING["optimizer"]
     return optimizer, (get("muon_learning_rate", 0.02) / get("learning_rate") if optimizer == "muon" else 1.0)
 
 
@@ -279,9 +280,10 @@ def _restore(run_dir: str, step: int | None, tokenizer: Any, special: SpecialIds
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
     shape = ModelShape(**config["model"])
+    optimizer, muon_lr_ratio = optimizer_of(config)
     spec = StepSpec(shape, 8, 1, config["gradient_accumulation_steps"], use_8bit=config.get("use_8bit_optimizer", False),
                     weight_decay=config["weight_decay"], grad_clip=config["grad_clip"], lora=lora_spec(config),
-                    **dict(zip(("optimizer", "muon_lr_ratio"), optimizer_of(config))))
+                    optimizer=optimizer, muon_lr_ratio=muon_lr_ratio)
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # whatever mesh saved it
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
                             model_and_optimizer(spec)[2])

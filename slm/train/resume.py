@@ -12,6 +12,7 @@ import os
 
 from slm.errors import ConfigError
 from slm.train.config import (
+    BEFORE_THE_SETTING,
     IDENTITY,
     LAUNCH,
     Config,
@@ -19,10 +20,6 @@ from slm.train.config import (
     fields_with,
     flag_name,
 )
-
-
-# What a run saved before a setting existed used: a default that changed later must not change its resume.
-BEFORE_THE_SETTING = {"optimizer": "adamw", "schedule": "cosine"}
 
 
 def run_dir_of(c: Config) -> str:
