@@ -3,10 +3,12 @@ cross-entropy variants against the trainer's own.
 
     .venv/bin/python bench/step_variants.py                  # nanoGPT's baby shape: 4 x 128, vocab 65, seq 64, batch 12
     .venv/bin/python bench/step_variants.py --target-params 800000 --seq-len 128 --batch-size 32
+    .venv/bin/python bench/step_variants.py --floor-only     # phases and the matmul floor only
 
 The trainer's jitted step (AdamW, one host device per core, the batch split, a sync per step as the trainer
 does on multi-device CPU). First the phases of the base step (forward, forward + backward, the optimizer
-update, the whole step; median of 7 rounds of 30 calls). Then slm.model.transformer's attention or per-token
+update, the whole step; median of 7 rounds of 30 calls) and its floor: the step's matrix products alone, at its
+shapes, split over the devices as the step is (`--floor-only` stops there). Then slm.model.transformer's attention or per-token
 loss swapped for a variant:
 
   base        the trainer's einsum attention with a where-mask; logsumexp minus a gathered target logit
@@ -106,12 +108,54 @@ def phases(shape, batch, rep, rounds: int) -> None:
         print(f"  {name:>20}: {median_ms(f, rounds):.2f} ms", flush=True)
 
 
+def gemm_floor(shape, batch, rep, rounds: int) -> float:
+    """The step's matrix products alone, as one jitted program on the same split batch: per linear layer the
+    forward x @ W and the backward dY @ W^T and x^T @ dY (whose batch contraction all-reduces over the
+    devices, as the gradients do); per head the score and value products, forward and backward. Nothing
+    else (no softmax, norms, activations, loss or optimizer): a step cannot be faster than this."""
+    B, L = batch["input_ids"].shape
+    D, F, V, H, K = shape.d_model, shape.d_ff, shape.vocab_size, shape.n_heads, shape.head_dim
+    G = shape.kv_heads
+    linears = [(D, (H + 2 * G) * K), (H * K, D), (D, 2 * F), (F, D)] * shape.n_layers + [(D, V)]
+    rng = np.random.default_rng(0)
+    ws = [jax.device_put(rng.standard_normal(io, np.float32) * 0.02, rep) for io in linears]
+    split = batch["input_ids"].sharding
+    xs = [jax.device_put(rng.standard_normal((B, L, i), np.float32), split) for i, _ in linears]
+    ys = [jax.device_put(rng.standard_normal((B, L, o), np.float32), split) for _, o in linears]
+    q = jax.device_put(rng.standard_normal((B, H, L, K), np.float32), split)
+
+    @jax.jit
+    def products(ws, xs, ys, q):
+        acc = jnp.float32(0)
+        for w, x, dy in zip(ws, xs, ys):
+            y, dx, dw = x @ w, dy @ w.T, jnp.einsum("bli,blo->io", x, dy)
+            acc += y[0, 0, 0] + dx[0, 0, 0] + dw[0, 0]
+        for _ in range(shape.n_layers):  # scores q k^T, out p v; backward: dp v^T, dv p^T.., dq, dk
+            s = jnp.einsum("bhqk,bhsk->bhqs", q, q)
+            o = jnp.einsum("bhqs,bhsk->bhqk", s, q)
+            ds = jnp.einsum("bhqk,bhsk->bhqs", o, q)
+            dv = jnp.einsum("bhqs,bhqk->bhsk", s, o)
+            dq = jnp.einsum("bhqs,bhsk->bhqk", ds, q)
+            dk = jnp.einsum("bhqs,bhqk->bhsk", ds, q)
+            acc += o[0, 0, 0, 0] + dv[0, 0, 0, 0] + dq[0, 0, 0, 0] + dk[0, 0, 0, 0]
+        return acc
+
+    f = lambda: products(ws, xs, ys, q)  # noqa: E731
+    f()
+    ms = median_ms(f, rounds)
+    flops = 6 * sum(i * o for i, o in linears) * B * L + shape.n_layers * 12 * B * H * L * L * K
+    print(f"  {'matmuls only':>20}: {ms:.2f} ms ({flops / ms / 1e6:.1f} GFLOP/s on {flops / 1e9:.2f} GFLOP: the "
+          f"step's floor at the rate XLA runs these shapes)", flush=True)
+    return ms
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target-params", type=int, default=None, help="choose_shape(N, 1024) (default: nanoGPT's baby)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=12)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--floor-only", action="store_true", help="the phases and the matmul floor, no variants")
     a = p.parse_args()
     shape = (choose_shape(a.target_params, 1024) if a.target_params
              else ModelShape(n_layers=4, d_model=128, n_heads=4, d_ff=344, vocab_size=65))
@@ -122,6 +166,9 @@ def main() -> None:
     print(f"step_variants: {time.strftime('%Y-%m-%d %H:%M')}, {shape}, seq {a.seq_len}, batch {a.batch_size}, "
           f"{mesh.devices.size} devices", flush=True)
     phases(shape, batch, rep, a.rounds)
+    gemm_floor(shape, batch, rep, a.rounds)
+    if a.floor_only:
+        return
     runs = {}
     for name, (attend, nll) in VARIANTS.items():
         T.attend, S.token_nll = attend, nll  # read when the step is traced (its first call, below)

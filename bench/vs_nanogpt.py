@@ -11,8 +11,10 @@ with the venv's torch.
 
 Quality race: nanoGPT's CPU "baby GPT" recipe (its README command, 2000 iterations) is run and its process
 wall clock W measured; then this trainer runs `train_optimized.py --use-streaming --dataset-id
-tinyshakespeare_train.txt --eval-dataset-id tinyshakespeare_val.txt --target-params 800000 --max-time W`
-(--max-time counts from our process start, so both get the same wall clock from process start). Both are
+tinyshakespeare_train.txt --eval-dataset-id tinyshakespeare_val.txt --target-params 800000 --seq-len 64
+--max-time W` (--max-time counts from our process start, so both get the same wall clock from process start;
+--seq-len 64 is nanoGPT's block size, so both models train and are scored with the same context: --context 0
+gives ours the trainer's default, 128). Both are
 scored on the whole val split (111,540 characters = bytes, ASCII) in bits per byte:
   * nanoGPT: its out-*/ckpt.pt (the checkpoint its recipe keeps: the best of its 20-batch val estimates,
     taken every 250 iterations) is loaded with torch and scored here on non-overlapping 64-character
@@ -45,6 +47,10 @@ tokens/s = 768 / median step time; model FLOP/s = 6 x params x tokens/s, with pa
 both: every parameter except a learned position table, the tied token embedding once (it is the output
 layer's matrix) -- nanoGPT's own get_num_params() (795,904) and ours' count_params (800,000; rotary
 positions, no table).
+Then (not --no-floor) the ceiling: our step's matrix products alone at that shape (`bench/step_variants.py
+--floor-only`: every forward and backward product of the step, as one XLA program split over the devices as
+the step is, nothing else), and nanoGPT's median step over that floor: the speed ratio a step that cost
+nothing but its matrix products would reach.
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 SHARED = os.path.normpath(os.path.join(ROOT, "..", "shared"))
 PEER = os.path.join(SHARED, "peers", "nanoGPT")
 DATA = os.path.join(SHARED, "data")
@@ -92,7 +99,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip", type=int, default=None, help="warm-up steps left out of the speed medians (default 50)")
     p.add_argument("--slice", type=float, default=None, help="seconds per time slice in the speed race (default 4)")
     p.add_argument("--no-quality", action="store_true", help="speed race only")
+    p.add_argument("--no-floor", action="store_true", help="skip timing our step's matrix products alone")
     p.add_argument("--no-speed", action="store_true", help="quality race only")
+    p.add_argument("--context", type=int, default=64,
+                   help="our quality run's --seq-len: nanoGPT's block size, 64 (0: the trainer's default, 128)")
     p.add_argument("--ours", default="", help="extra flags for our quality-race run (quoted), e.g. '--seq-len 256'")
     p.add_argument("--quiet-below", type=float, default=0.5,
                    help="before each race, wait until other programs use fewer cores than this (0: don't wait)")
@@ -492,7 +502,8 @@ def quality_race(a: argparse.Namespace, peer: str, scratch: str) -> dict:
     run_dir = os.path.join(scratch, "ours-quality")
     flags = ["--dataset-id", os.path.join(DATA, "tinyshakespeare_train.txt"),
              "--eval-dataset-id", os.path.join(DATA, "tinyshakespeare_val.txt"),
-             "--target-params", "800000", "--max-time", f"{budget:g}", *a.ours.split()]
+             "--target-params", "800000", "--max-time", f"{budget:g}",
+             *(["--seq-len", str(a.context)] if a.context else []), *a.ours.split()]
 
     def ours(watch: Watch):
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -554,8 +565,21 @@ def speed_race(a: argparse.Namespace, peer: str, scratch: str) -> dict:
               f"{r['run_s']:.0f}s in {r['slices']} slices, during which {load_line(r)}", flush=True)
     out["ratio"] = out["ours"]["gflops"] / out["nanoGPT"]["gflops"]
     out["step_time_ratio"] = out["nanoGPT"]["median_step_s"] / out["ours"]["median_step_s"]
+    if not a.no_floor:
+        out["floor_s"] = matmul_floor()
+        print(f"[speed] our step's matrix products alone (bench/step_variants.py --floor-only): "
+              f"{out['floor_s'] * 1e3:.2f} ms", flush=True)
     print(f"[speed] {uptime()}", flush=True)
     return out
+
+
+def matmul_floor() -> float:
+    """Seconds for our step's matrix products alone at the baby shape (bench/step_variants.py --floor-only):
+    no step of this model, run by XLA on these devices, can be faster."""
+    r = subprocess.run([PY, os.path.join(HERE, "step_variants.py"), "--floor-only"], capture_output=True, text=True,
+                       check=True)
+    line = next(x for x in r.stdout.splitlines() if "matmuls only:" in x)
+    return float(line.split("matmuls only:")[1].split("ms")[0]) / 1e3
 
 
 def nanogpt_params(peer: str) -> int:
@@ -631,6 +655,9 @@ def report(r: dict) -> None:
               f"(goal >= 1.5); step time {s['step_time_ratio']:.2f}x")
         print(f"      other programs' load during the slices: nanoGPT's {ng['others_cores']:.2f} cores, ours "
               f"{us['others_cores']:.2f} cores")
+        if "floor_s" in s:
+            print(f"      ceiling: our step's matrix products alone take {s['floor_s'] * 1e3:.2f} ms, so a step "
+                  f"costing nothing else would reach {ng['median_step_s'] / s['floor_s']:.2f}x nanoGPT's speed")
         if "quality" in r:
             qm = r["quality"]["nanogpt"]["median_step_s"]
             print(f"      nanoGPT's median iteration in the quality race {qm * 1e3:.2f} ms vs {ng['median_step_s'] * 1e3:.2f} "

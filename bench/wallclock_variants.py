@@ -11,7 +11,8 @@ default size; --data shakespeare: the nanoGPT race's tinyshakespeare_train.txt /
 each after waiting for a quiet machine (as bench/vs_nanogpt.py does); the other programs' share of the cores
 during each run is printed. The held-out figure is the trainer's final eval of the whole valid file
 (summary.json: `eval_loss` in nats per token, `eval_bpb`); variants that keep the tokenizer (a BPE trained on
-the same stream with the same seed and vocabulary) compare in either, others in bits/byte.
+the same stream with the same seed and vocabulary) compare in either, others (--vocab-size) only in bits/byte:
+the table gives both ratios to the first variant.
 
 Named variants: "before" is the trainer as it was before issue 17 changed it (commit 5068422: AdamW, cosine,
 warmup not capped in --max-time runs), run from a `git archive` of that commit in a scratch folder with its
@@ -108,14 +109,18 @@ def main() -> None:
                                           old if n == "before" else ROOT))
     base = next(iter(res))
     print(f"\n| variant | flags | steps (mean) | held-out loss, mean (min-max over seeds {seeds}) | bits/byte, mean "
-          f"| vs {base}, same seed: loss ratio mean (min-max) |\n|---|---|---|---|---|---|")
+          f"(min-max) | vs {base}, same seed: loss ratio mean (min-max) | bits/byte ratio mean (min-max) |"
+          f"\n|---|---|---|---|---|---|---|")
     for n, rs in res.items():
-        loss = [r["eval_loss"] for r in rs]
-        ratios = [r["eval_loss"] / b["eval_loss"] for r, b in zip(rs, res[base])]
+        loss, bpb = [r["eval_loss"] for r in rs], [r["eval_bpb"] for r in rs]
         print(f"| {n} | `{' '.join(vs[n]) or '(defaults)'}` | {statistics.mean(r['steps'] for r in rs):.0f} "
-              f"| {statistics.mean(loss):.4f} ({min(loss):.4f}-{max(loss):.4f}) "
-              f"| {statistics.mean(r['eval_bpb'] for r in rs):.4f} "
-              f"| {statistics.mean(ratios):.4f} ({min(ratios):.4f}-{max(ratios):.4f}) |")
+              f"| {spread(loss)} | {spread(bpb)} | {spread([r['eval_loss'] / b['eval_loss'] for r, b in zip(rs, res[base])])} "
+              f"| {spread([r['eval_bpb'] / b['eval_bpb'] for r, b in zip(rs, res[base])])} |")
+
+
+def spread(xs: list[float]) -> str:
+    """mean (min-max)"""
+    return f"{statistics.mean(xs):.4f} ({min(xs):.4f}-{max(xs):.4f})"
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from slm.memory.estimate import (
     parse_size,
 )
 from slm.memory.preflight import MemoryPlan
-from slm.model.sizing import choose_shape, count_params
+from slm.model.sizing import choose_shape, count_params, default_vocab_size
 from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
 from slm.train.builder import compiled_memory
@@ -33,7 +33,7 @@ def test_seed_call_and_keys_unchanged():
 
 
 def test_whole_run_breakdown_arithmetic():
-    shape = choose_shape(1_000_000, 1024)
+    shape = choose_shape(1_000_000, default_vocab_size(1_000_000))  # the vocabulary the estimate assumes
     n = count_params(shape)
     e = estimate_memory_usage(1000, 128, 32, target_params=1_000_000)
     assert e["params_mb"] == round(4 * n / MB, 3) and e["gradients_mb"] == e["params_mb"]
