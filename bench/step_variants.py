@@ -7,9 +7,9 @@ cross-entropy variants against the trainer's own.
 
 The trainer's jitted step (AdamW, one host device per core, the batch split, a sync per step as the trainer
 does on multi-device CPU). First the phases of the base step (forward, forward + backward, the optimizer
-update, the whole step; median of 7 rounds of 30 calls) and its floor: the step's matrix products alone, at its
-shapes, split over the devices as the step is (`--floor-only` stops there). Then slm.model.transformer's attention or per-token
-loss swapped for a variant:
+update, the whole step; median of 7 rounds of 30 calls) and its floor: the step's matrix products alone, at
+its shapes, split over the devices as the step is (`--floor-only` stops there). Then slm.model.transformer's
+attention or per-token loss swapped for a variant:
 
   base        the trainer's einsum attention with a where-mask; logsumexp minus a gathered target logit
   sdpa        jax.nn.dot_product_attention(implementation="xla", is_causal=True)
@@ -130,7 +130,8 @@ def gemm_floor(shape, batch, rep, rounds: int) -> float:
         for w, x, dy in zip(ws, xs, ys):
             y, dx, dw = x @ w, dy @ w.T, jnp.einsum("bli,blo->io", x, dy)
             acc += y[0, 0, 0] + dx[0, 0, 0] + dw[0, 0]
-        for _ in range(shape.n_layers):  # scores q k^T, out p v; backward: dp v^T, dv p^T.., dq, dk
+        # q stands in for q, k, v and d(out): s = q k^T, o = s v; dp = do v^T, dv = s^T do, dq = dp k, dk = dp^T q
+        for _ in range(shape.n_layers):
             s = jnp.einsum("bhqk,bhsk->bhqs", q, q)
             o = jnp.einsum("bhqs,bhsk->bhqk", s, q)
             ds = jnp.einsum("bhqk,bhsk->bhqs", o, q)

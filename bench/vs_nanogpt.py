@@ -99,8 +99,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip", type=int, default=None, help="warm-up steps left out of the speed medians (default 50)")
     p.add_argument("--slice", type=float, default=None, help="seconds per time slice in the speed race (default 4)")
     p.add_argument("--no-quality", action="store_true", help="speed race only")
-    p.add_argument("--no-floor", action="store_true", help="skip timing our step's matrix products alone")
     p.add_argument("--no-speed", action="store_true", help="quality race only")
+    p.add_argument("--no-floor", action="store_true", help="skip timing our step's matrix products alone")
     p.add_argument("--context", type=int, default=64,
                    help="our quality run's --seq-len: nanoGPT's block size, 64 (0: the trainer's default, 128)")
     p.add_argument("--ours", default="", help="extra flags for our quality-race run (quoted), e.g. '--seq-len 256'")

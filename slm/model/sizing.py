@@ -88,8 +88,9 @@ def default_vocab_size(target_params: int) -> int:
 
     A bigger vocabulary packs more bytes into each token, so a fixed time budget covers more text; at small
     sizes that outweighs the parameters the embedding takes from the blocks. Measured on tinyshakespeare at
-    0.8M params, 97 s, 2 seeds (docs/performance.md, "Vocabulary and context"): 1024 -> 2048 gained 2.2-3%
-    in held-out bits/byte (the embedding grows from 16% to 33% of N), 4096 was no better than 2048.
+    0.8M params, 97 s, 2 seeds (docs/performance.md, "Vocabulary and context"): 1024 -> 2048 lowered held-out
+    bits/byte by 2.2-3.5% (the embedding grows from 16% to 33% of N; 3072 and 4096 were no better); on
+    TinyStories at 1M, 10 minutes, by 2.0%.
     """
     for limit, vocab in ((500_000, 512), (10_000_000, 2048), (30_000_000, 4096)):
         if target_params < limit:
