@@ -83,6 +83,16 @@ def default_head_dim(d_model: int) -> int:
     return 64 if d_model >= 512 and d_model % 64 == 0 else 32
 
 
+def default_heads(d_model: int) -> int:
+    """Heads of about `default_head_dim` each: the nearest count that divides d_model into an even head dim
+    (d_model 112: 4 heads of 28). Widths on the grid of 32 get exactly d_model / default_head_dim."""
+    base = max(1, d_model // default_head_dim(d_model))
+    for h in sorted(range(1, d_model + 1), key=lambda h: (abs(h - base), -h)):
+        if d_model % h == 0 and (d_model // h) % 2 == 0:
+            return h
+    return base
+
+
 def default_vocab_size(target_params: int) -> int:
     """Vocabulary for --vocab-size when none is given: 2048 from 0.5M to 10M parameters, then 4096 and 8192.
 
@@ -135,7 +145,32 @@ def choose_shape(
     if d_model is not None and n_heads is not None and (d_model // n_heads) % 2:
         raise SizingError(f"--d-model {d_model} / --n-heads {n_heads} gives an odd head dim; choose an even one")
 
-    widths = [d_model] if d_model else list(range(32, 4097, 32))
+    # Widths on a grid of 32 first (every shape chosen so far); a pinned depth that no such width fits
+    # within 5% gets a grid of 8 (4 layers at 0.8M parameters: d_model 112, between 96 and 128).
+    best = _best_shape(target_params, vocab_size, [d_model] if d_model else list(range(32, 4097, 32)),
+                       n_layers, d_model, n_heads)
+    if best is None and d_model is None:
+        best = _best_shape(target_params, vocab_size, list(range(16, 4097, 8)), n_layers, d_model, n_heads)
+    if best is None and (n_heads or d_model or n_layers):
+        pinned = " / ".join(f"--{k} {v}" for k, v in (("n-layers", n_layers), ("d-model", d_model),
+                                                      ("n-heads", n_heads)) if v)
+        raise SizingError(
+            f"no shape with {pinned} reaches --target-params {target_params:,} within 5% (d_ff between 2 and 4 "
+            f"x d_model; head dim even and dividing d_model); adjust them or drop one"
+        )
+    if best is None:
+        min_params = vocab_size * 32 + 4 * 32 * 32 + 3 * 32 * 64 + 3 * 32
+        raise SizingError(
+            f"--target-params {target_params:,} is too small for vocab {vocab_size:,} "
+            f"(the embedding alone needs {vocab_size * 32:,}+); use --target-params >= {min_params:,} "
+            f"or a smaller --vocab-size"
+        )
+    return best
+
+
+def _best_shape(target_params: int, vocab_size: int, widths: list[int], n_layers: int | None,
+                d_model: int | None, n_heads: int | None) -> ModelShape | None:
+    """The best-scoring shape over `widths` (and every depth unless pinned), or None when none fits."""
     depths = [n_layers] if n_layers else list(range(1, 65))
     best: tuple[float, ModelShape] | None = None
     for D in widths:
@@ -148,7 +183,7 @@ def choose_shape(
                     F = min(max(F, 2 * D), 4 * D)
                 else:
                     continue
-            heads = n_heads or max(1, D // default_head_dim(D))
+            heads = n_heads or default_heads(D)
             if D % heads or (D // heads) % 2:  # rotary needs an even head dim
                 continue
             shape = ModelShape(vocab_size, L, D, heads, F)
@@ -158,19 +193,7 @@ def choose_shape(
             score = abs(math.log(D / L / ASPECT)) + abs(math.log(F / (8 * D / 3))) + 10 * err
             if best is None or score < best[0]:
                 best = (score, shape)
-    if best is None and (n_heads or d_model):
-        raise SizingError(
-            f"no shape with --n-heads {n_heads} / --d-model {d_model} reaches --target-params {target_params:,} "
-            f"within 5% (head dim must be even and divide d_model); adjust them or drop one"
-        )
-    if best is None:
-        min_params = vocab_size * 32 + 4 * 32 * 32 + 3 * 32 * 64 + 3 * 32
-        raise SizingError(
-            f"--target-params {target_params:,} is too small for vocab {vocab_size:,} "
-            f"(the embedding alone needs {vocab_size * 32:,}+); use --target-params >= {min_params:,} "
-            f"or a smaller --vocab-size"
-        )
-    return best[1]
+    return None if best is None else best[1]
 
 
 def describe(shape: ModelShape, seq_len: int) -> str:

@@ -56,6 +56,27 @@ def test_overrides_are_honoured():
         choose_shape(2_000_000, 1024, d_model=192, n_heads=5)
 
 
+@pytest.mark.parametrize("layers", range(1, 9))
+def test_every_pinned_depth_fits_the_race_model(layers):
+    """--n-layers N at 0.8M parameters, vocab 2048: depths whose widths fall between the grid of 32 (4 layers:
+    d_model 112, 4 heads of 28) get a shape too, and the choice on the grid is what it always was (3: 3 x 128)."""
+    shape = choose_shape(800_000, 2048, n_layers=layers)
+    assert shape.n_layers == layers
+    assert abs(count_params(shape) / 800_000 - 1) <= 0.05
+    assert shape.d_model % shape.n_heads == 0 and shape.head_dim % 2 == 0
+    assert 2 * shape.d_model <= shape.d_ff <= 4 * shape.d_model
+    if layers == 3:
+        assert (shape.d_model, shape.n_heads, shape.d_ff) == (128, 4, 296)
+    if layers == 4:
+        assert (shape.d_model, shape.n_heads) == (112, 4)
+
+
+def test_pinned_depth_that_cannot_fit_names_the_flag_not_the_vocab():
+    with pytest.raises(SizingError, match="no shape with --n-layers 32 reaches") as e:
+        choose_shape(200_000, 2048, n_layers=32)
+    assert "too small for vocab" not in str(e.value)
+
+
 def test_count_params_formula_by_hand():
     s = ModelShape(vocab_size=100, n_layers=2, d_model=32, n_heads=1, d_ff=64)
     embed = 100 * 32
