@@ -150,22 +150,22 @@ def choose_shape(
     best = _best_shape(target_params, vocab_size, [d_model] if d_model else list(range(32, 4097, 32)),
                        n_layers, d_model, n_heads)
     if best is None and d_model is None:
-        best = _best_shape(target_params, vocab_size, list(range(16, 4097, 8)), n_layers, d_model, n_heads)
-    if best is None and (n_heads or d_model or n_layers):
+        best = _best_shape(target_params, vocab_size, list(range(32, 4097, 8)), n_layers, d_model, n_heads)
+    if best is not None:
+        return best
+    min_params = vocab_size * 32 + 4 * 32 * 32 + 3 * 32 * 64 + 3 * 32  # one layer of width 32
+    if (n_heads or d_model or n_layers) and target_params >= min_params:
         pinned = " / ".join(f"--{k} {v}" for k, v in (("n-layers", n_layers), ("d-model", d_model),
                                                       ("n-heads", n_heads)) if v)
         raise SizingError(
             f"no shape with {pinned} reaches --target-params {target_params:,} within 5% (d_ff between 2 and 4 "
             f"x d_model; head dim even and dividing d_model); adjust them or drop one"
         )
-    if best is None:
-        min_params = vocab_size * 32 + 4 * 32 * 32 + 3 * 32 * 64 + 3 * 32
-        raise SizingError(
-            f"--target-params {target_params:,} is too small for vocab {vocab_size:,} "
-            f"(the embedding alone needs {vocab_size * 32:,}+); use --target-params >= {min_params:,} "
-            f"or a smaller --vocab-size"
-        )
-    return best
+    raise SizingError(
+        f"--target-params {target_params:,} is too small for vocab {vocab_size:,} "
+        f"(the embedding alone needs {vocab_size * 32:,}+); use --target-params >= {min_params:,} "
+        f"or a smaller --vocab-size"
+    )
 
 
 def _best_shape(target_params: int, vocab_size: int, widths: list[int], n_layers: int | None,

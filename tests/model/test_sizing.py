@@ -75,6 +75,8 @@ def test_pinned_depth_that_cannot_fit_names_the_flag_not_the_vocab():
     with pytest.raises(SizingError, match="no shape with --n-layers 32 reaches") as e:
         choose_shape(200_000, 2048, n_layers=32)
     assert "too small for vocab" not in str(e.value)
+    with pytest.raises(SizingError, match="too small for vocab"):  # the vocabulary's fix comes first
+        choose_shape(20_000, 1024, n_layers=2)
 
 
 def test_count_params_formula_by_hand():
