@@ -87,9 +87,10 @@ def default_heads(d_model: int) -> int:
     """Heads of about `default_head_dim` each: the nearest count that divides d_model into an even head dim
     (d_model 112: 4 heads of 28). Widths on the grid of 32 get exactly d_model / default_head_dim."""
     base = max(1, d_model // default_head_dim(d_model))
-    for h in sorted(range(1, d_model + 1), key=lambda h: (abs(h - base), -h)):
-        if d_model % h == 0 and (d_model // h) % 2 == 0:
-            return h
+    for step in range(d_model):  # outwards from base, the larger count first at each distance
+        for h in (base + step, base - step):
+            if 1 <= h <= d_model and d_model % h == 0 and (d_model // h) % 2 == 0:
+                return h
     return base
 
 
@@ -145,8 +146,8 @@ def choose_shape(
     if d_model is not None and n_heads is not None and (d_model // n_heads) % 2:
         raise SizingError(f"--d-model {d_model} / --n-heads {n_heads} gives an odd head dim; choose an even one")
 
-    # Widths on a grid of 32 first (every shape chosen so far); a pinned depth that no such width fits
-    # within 5% gets a grid of 8 (4 layers at 0.8M parameters: d_model 112, between 96 and 128).
+    # Widths on a grid of 32 first (every shape chosen so far); when none fits within 5% (a pinned depth or
+    # head count), a grid of 8 (4 layers at 0.8M parameters: d_model 112, between 96 and 128).
     best = _best_shape(target_params, vocab_size, [d_model] if d_model else list(range(32, 4097, 32)),
                        n_layers, d_model, n_heads)
     if best is None and d_model is None:
@@ -176,6 +177,7 @@ def _best_shape(target_params: int, vocab_size: int, widths: list[int], n_layers
     for D in widths:
         if vocab_size * D >= target_params:
             break
+        heads = n_heads or default_heads(D)
         for L in depths:
             F = _solve_d_ff(target_params, vocab_size, L, D)
             if not 2 * D <= F <= 4 * D:
@@ -183,7 +185,6 @@ def _best_shape(target_params: int, vocab_size: int, widths: list[int], n_layers
                     F = min(max(F, 2 * D), 4 * D)
                 else:
                     continue
-            heads = n_heads or default_heads(D)
             if D % heads or (D // heads) % 2:  # rotary needs an even head dim
                 continue
             shape = ModelShape(vocab_size, L, D, heads, F)
