@@ -11,7 +11,13 @@ from __future__ import annotations
 import sys
 
 # slm.cli.train is imported first (it sorts first too): it notes the process start that --max-time counts from.
-from slm.cli.train import main
+from slm.cli.train import PROCESS_START, main
+
+if __name__ == "__main__":  # before jax is imported: restart once under huge-page malloc (slm/cli/malloc.py)
+    from slm.cli.malloc import reexec_with_huge_pages
+
+    reexec_with_huge_pages(PROCESS_START)
+
 from slm.train.config import PRESETS, Config, apply_preset, auto_preset, validate
 from slm.train.run import train
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 
-_PROCESS_START = time.time()  # --max-time counts from here when run as a script
+from slm.cli.malloc import process_start, reexec_with_huge_pages
+
+PROCESS_START = process_start(time.time())  # --max-time counts from here when run as a script
 
 from slm.cli.common import run_main  # noqa: E402
 from slm.cli.flags import parse_flags  # noqa: E402
@@ -20,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
             train,  # jax and the rest only once the flags are known to be good
         )
 
-        train(Config(**values), start_time=_PROCESS_START, explicit=explicit)
+        train(Config(**values), start_time=PROCESS_START, explicit=explicit)
 
     return run_main(body)
+
+
+def cli() -> int:
+    """The `slm-train` command: `main` under huge-page malloc (slm.cli.malloc re-executes once)."""
+    reexec_with_huge_pages(PROCESS_START)
+    return main()

@@ -395,6 +395,7 @@ def summarize(c: Config, run: RunState, data: TrainData, facts: RunFacts, plan: 
         "data_wait_frac": t.wait_s / train_s,
         "peak_rss_mb": max(peak_rss_mb(), memory["peak_rss_mb"]), "peak_device_mb": memory["peak_device_mb"],
         **plan.record(), "optimizer_state_bytes": facts.optimizer_state_bytes, "stop_reason": run.stop_reason,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # slm/cli/malloc.py: huge-page malloc or not
         "output_dir": env.out, "data_digest": run.data_digest, "skipped_nonfinite": run.skipped_nonfinite,
         **({"data_sources": data_sources} if data_sources is not None else {}),
     }

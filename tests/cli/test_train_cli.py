@@ -12,6 +12,7 @@ import pytest
 from helpers import ROOT
 from tokenizers import Tokenizer
 
+from slm.cli import malloc
 from train_optimized import main
 
 TINY = ["--target-params", "150000", "--seq-len", "64", "--batch-size", "16", "--learning-rate", "3e-3",
@@ -74,6 +75,8 @@ def test_tiny_run_writes_every_output(tiny_run):
                 "model_flops_per_token", "peak_rss_mb"):
         assert key in summary
     assert summary["steps"] == 60 and summary["tokens"] == 60 * 16 * 64
+    if malloc.on_glibc() and "GLIBC_TUNABLES" not in os.environ:  # the command line restarted itself once under huge-page malloc (slm/cli/malloc.py)
+        assert summary["glibc_tunables"] == "glibc.malloc.hugetlb=1"
     assert "Traceback" not in proc.stderr
     # TensorBoard events with the logged scalars, and the loss plot (a PNG).
     assert list(out.glob("events.out.tfevents.*")) and (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

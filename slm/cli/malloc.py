@@ -1,0 +1,55 @@
+"""Start the trainer under glibc's huge-page malloc (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`), by re-executing once.
+
+XLA's CPU runtime mallocs each step's temporary buffers and frees them after the step. glibc serves blocks
+over its mmap threshold (32 MB at most) with a fresh mmap each time, so every 4 KiB page of them is faulted
+in and zeroed again on every step: about 16,000 page faults a step at the quality race's shape, a large part
+of the step's system time. With the tunable, glibc asks for transparent huge pages for its memory (madvise),
+and a fault brings in 2 MiB. `bench/malloc_hugepages.py` measures both. glibc reads tunables only when a
+process starts, so the command line re-executes itself once with the tunable added; from a notebook, start
+the kernel with the variable set to get the same.
+
+Nothing is done off Linux/glibc, when GLIBC_TUNABLES already names the tunable (an explicit
+`glibc.malloc.hugetlb=0` is respected), or with SLM_NO_REEXEC=1. The first start's time is handed on in
+SLM_PROCESS_START, so --max-time still counts from the first start.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+TUNABLE = "glibc.malloc.hugetlb"
+START_VAR = "SLM_PROCESS_START"
+
+
+def on_glibc() -> bool:
+    return sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+
+
+def reexec_env(environ: dict[str, str], start: float, glibc: bool) -> dict[str, str] | None:
+    """The environment to re-execute with, or None when this process should just go on."""
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if not glibc or environ.get("SLM_NO_REEXEC") == "1" or TUNABLE in tunables:
+        return None
+    return {**environ, "GLIBC_TUNABLES": ":".join(x for x in (tunables, f"{TUNABLE}=1") if x),
+            START_VAR: repr(start)}
+
+
+def reexec_with_huge_pages(start: float) -> None:
+    """Replace this process with the same command under the tunable (same pid, so signals and job control
+    are unaffected); returns only when nothing needs doing. Call before anything heavy is imported."""
+    env = reexec_env(dict(os.environ), start, on_glibc())
+    if env is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def process_start(default: float) -> float:
+    """When --max-time counts from: the first start handed on by a re-execution, else `default`."""
+    try:  # taken out of the environment, so no process started from here inherits it
+        return float(os.environ.pop(START_VAR))
+    except (KeyError, ValueError):
+        return default
