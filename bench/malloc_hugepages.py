@@ -50,7 +50,7 @@ def run_once(flags: list[str], tunables: str | None, steps: int, skip: int, out:
            "--max-steps", str(steps), "--eval-every", str(10 * steps), "--checkpoint-every", str(10 * steps), *flags]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
@@ -64,6 +64,14 @@ def run_once(flags: list[str], tunables: str | None, steps: int, skip: int, out:
             "sys_s": after.ru_stime - before.ru_stime, "wall_s": wall, "peak_rss_mb": summary["peak_rss_mb"]}
 
 
+def thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "no THP"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="race,1M,10M", help=f"among {', '.join(SHAPES)}")
@@ -71,9 +79,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--skip", type=int, default=10, help="leave out the log rows up to this step (compile, warm-up)")
     a = ap.parse_args()
-    print(f"malloc_hugepages: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}, {os.cpu_count()} cpus, "
-          f"{open('/sys/kernel/mm/transparent_hugepage/enabled').read().strip() if os.path.exists('/sys/kernel/mm/transparent_hugepage/enabled') else 'no THP'}"
-          f" (transparent_hugepage/enabled), {a.rounds} rounds of {a.steps} steps", flush=True)
+    print(f"malloc_hugepages: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}, {os.cpu_count()} cpus, {thp_mode()} "
+          f"(transparent_hugepage/enabled), {a.rounds} rounds of {a.steps} steps", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for shape in a.shapes.split(","):
             res: dict[str, list[dict]] = {m: [] for m in MODES}

@@ -25,14 +25,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-from slm.model.hf_config import shape_from_hf_config  # noqa: E402
-from slm.model.sizing import ModelShape, choose_shape, count_params, default_vocab_size  # noqa: E402
-from slm.model.transformer import Block, RMSNorm, Transformer, head_weights, init_params, mean_nll  # noqa: E402
+from slm.model.hf_config import shape_from_hf_config
+from slm.model.sizing import ModelShape, choose_shape, count_params, default_vocab_size
+from slm.model.transformer import (
+    Block,
+    RMSNorm,
+    Transformer,
+    init_params,
+    mean_nll,
+)
 
 MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "models")
 

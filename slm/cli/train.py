@@ -8,9 +8,9 @@ from slm.cli.malloc import process_start, reexec_with_huge_pages
 
 PROCESS_START = process_start(time.time())  # --max-time counts from here when run as a script
 
-from slm.cli.common import run_main  # noqa: E402
-from slm.cli.flags import parse_flags  # noqa: E402
-from slm.train.config import Config  # noqa: E402
+from slm.cli.common import run_main
+from slm.cli.flags import parse_flags
+from slm.train.config import Config
 
 
 def main(argv: list[str] | None = None) -> int:
