@@ -8,6 +8,8 @@ p <- p - lr * (adam_direction(clip(g)) + weight_decay * p).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -26,12 +28,14 @@ def make_optimizer(
     use_8bit: bool = False,
     optimizer: str = "adamw",
     muon_lr_ratio: float = 1.0,
+    muon_mesh: Any = None,
 ) -> optax.GradientTransformation:
     """clip -> Adam direction -> decoupled weight decay (matrices only), skipped whole on a non-finite gradient.
 
     `optimizer="muon"` (slm.optim.muon) sends the hidden matrices to Muon instead, its direction scaled by
     `muon_lr_ratio` (Muon's peak rate / AdamW's); the rest keeps this AdamW. With `use_8bit` Muon's momentum
-    is kept in bfloat16 (2 bytes/param instead of 4).
+    is kept in bfloat16 (2 bytes/param instead of 4). `muon_mesh`: a data-parallel mesh (state replicated on
+    each device) whose devices share Muon's Newton-Schulz work instead of each repeating all of it.
 
     The learning rate is applied by the train step. `use_8bit` stores Adam's moments block-quantized
     (slm.optim.adam8bit: ~2 bytes/param instead of 8). A step whose gradient has a NaN/Inf changes neither
@@ -44,7 +48,8 @@ def make_optimizer(
     if weight_decay:
         adam.append(optax.add_decayed_weights(weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
     if optimizer == "muon":
-        adam = [partition_muon(optax.chain(*adam), muon_lr_ratio, weight_decay, jnp.bfloat16 if use_8bit else None)]
+        adam = [partition_muon(optax.chain(*adam), muon_lr_ratio, weight_decay, jnp.bfloat16 if use_8bit else None,
+                               shard_over=muon_mesh)]
     elif optimizer != "adamw":
         raise ValueError(f"optimizer {optimizer!r}: choose adamw or muon")
     clip = [optax.clip_by_global_norm(grad_clip)] if grad_clip and grad_clip > 0 else []

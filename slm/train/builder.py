@@ -97,12 +97,13 @@ class Built:
     base_sharding: Any = None
 
 
-def model_and_optimizer(spec: StepSpec) -> tuple[Transformer, optax.GradientTransformation, TrainState]:
-    """The Flax model, the optax transformation and the state's shapes (jax.eval_shape: nothing allocated)."""
+def model_and_optimizer(spec: StepSpec, mesh: Any = None) -> tuple[Transformer, optax.GradientTransformation, TrainState]:
+    """The Flax model, the optax transformation and the state's shapes (jax.eval_shape: nothing allocated).
+    `mesh`: where the state is replicated (dp), so Muon can share its Newton-Schulz work over the devices."""
     model = Transformer(spec.shape, dtype=jnp.bfloat16 if spec.mixed_precision else jnp.float32, remat=spec.remat,
                         doc_start=spec.doc_start, lora=spec.lora)
     tx = make_optimizer(spec.weight_decay, spec.grad_clip, spec.accumulation, use_8bit=spec.use_8bit,
-                        optimizer=spec.optimizer, muon_lr_ratio=spec.muon_lr_ratio)
+                        optimizer=spec.optimizer, muon_lr_ratio=spec.muon_lr_ratio, muon_mesh=mesh)
     return model, tx, jax.eval_shape(lambda: fresh_state(trainable_init(model, spec), tx))
 
 
@@ -124,7 +125,7 @@ def base_shapes(model: Transformer, spec: StepSpec) -> Any:
 
 def build(spec: StepSpec, mesh: Any) -> Built:
     """Model, optimizer and the state's shardings on `mesh` (nothing allocated)."""
-    model, tx, abstract = model_and_optimizer(spec)
+    model, tx, abstract = model_and_optimizer(spec, mesh if spec.sharding == "dp" else None)
 
     def placed(tree: Any) -> tuple[Any, Any]:
         sh = state_shardings(tree, mesh, spec.sharding)

@@ -108,3 +108,52 @@ def test_muon_wsd_run_interrupted_and_resumed_equals_one_run(tmp_path, data_dir,
     assert max(abs(a[k]["lr"] - b[k]["lr"]) for k in a) <= 1e-9
     assert a[24]["lr"] < a[22]["lr"] < a[10]["lr"] == pytest.approx(a[5]["lr"])  # stable, then decaying
     assert final["eval_loss"] == pytest.approx(whole["eval_loss"], abs=1e-6) and whole["eval_loss"] < a[1]["loss"] - 1
+
+
+GROUPED_VS_OPTAX = """
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import jax.numpy as jnp, numpy as np, optax
+from slm.model.sizing import ModelShape, choose_shape
+from slm.model.transformer import Transformer, init_params
+from slm.optim.muon import labels, muon_direction, split_view
+
+mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+gqa = ModelShape(vocab_size=300, n_layers=3, d_model=64, n_heads=4, d_ff=96, n_kv_heads=2)
+for shape in (choose_shape(300_000, 512), gqa):  # 3 layers: odd stacks, padded; gqa: qkv taken whole
+    params = split_view(init_params(Transformer(shape), 0, 8))
+    hidden = {k: v for k, v in params.items() if k.startswith("block_")}
+    hidden = jax.tree.map(lambda x, l: x, hidden, labels(hidden))
+    hidden = {b: {m: {n: {"kernel": leaf["kernel"]} for n, leaf in mod.items() if "kernel" in leaf and n in
+              ("qkv", "o", "gate_up", "down")} for m, mod in blk.items() if m in ("attn", "mlp")}
+              for b, blk in hidden.items()}
+    hidden = jax.device_put(hidden, whole)
+    for mu_dtype in (None, jnp.bfloat16):
+        ref, ours = (muon_direction(2.0, 0.1, mu_dtype, shard_over=m) for m in (None, mesh))
+        s_ref, s_ours = ref.init(hidden), ours.init(hidden)
+        assert jax.tree.structure(s_ref) == jax.tree.structure(s_ours)  # checkpoints restore either way
+        assert [(x.shape, x.dtype) for x in jax.tree.leaves(s_ref)] == [(x.shape, x.dtype) for x in jax.tree.leaves(s_ours)]
+        rng = np.random.default_rng(0)
+        worst = 0.0
+        for _ in range(3):
+            g = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), hidden)
+            u_ref, s_ref = jax.jit(ref.update)(g, s_ref, hidden)
+            u_ours, s_ours = jax.jit(ours.update)(g, s_ours, hidden)
+            worst = max(worst, max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                                   zip(jax.tree.leaves((u_ref, s_ref)), jax.tree.leaves((u_ours, s_ours)))))
+        assert worst < 1e-5, (shape, mu_dtype, worst)
+print("ok")
+"""
+
+
+def test_grouped_newton_schulz_over_two_devices_equals_optax_muon(tmp_path):
+    """Sharing the orthogonalisation out over a 2-device mesh gives optax's updates and state, same layout."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", GROUPED_VS_OPTAX], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
