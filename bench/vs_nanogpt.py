@@ -574,10 +574,12 @@ def speed_race(a: argparse.Namespace, peer: str, scratch: str) -> dict:
 
 
 def matmul_floor() -> float:
-    """Seconds for our step's matrix products alone at the baby shape (bench/step_variants.py --floor-only):
-    no step of this model, run by XLA on these devices, can be faster."""
+    """Seconds for our step's matrix products alone at the baby shape (bench/step_variants.py --floor-only, under
+    the trainer's huge-page malloc): no step of this model, run by XLA on these devices, can be faster."""
+    from slm.cli.malloc import with_huge_pages  # the allocator the trainer runs under (slm/cli/malloc.py)
+
     r = subprocess.run([PY, os.path.join(HERE, "step_variants.py"), "--floor-only"], capture_output=True, text=True,
-                       check=True)
+                       check=True, env=with_huge_pages(dict(os.environ)))
     line = next(x for x in r.stdout.splitlines() if "matmuls only:" in x)
     return float(line.split("matmuls only:")[1].split("ms")[0]) / 1e3
 

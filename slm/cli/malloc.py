@@ -32,8 +32,15 @@ def reexec_env(environ: dict[str, str], start: float, glibc: bool) -> dict[str, 
     tunables = environ.get("GLIBC_TUNABLES", "")
     if not glibc or environ.get("SLM_NO_REEXEC") == "1" or TUNABLE in tunables:
         return None
-    return {**environ, "GLIBC_TUNABLES": ":".join(x for x in (tunables, f"{TUNABLE}=1") if x),
-            START_VAR: repr(start)}
+    return {**with_huge_pages(environ), START_VAR: repr(start)}
+
+
+def with_huge_pages(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` with the tunable added to GLIBC_TUNABLES (for a child process; the user's own setting wins)."""
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if TUNABLE in tunables:
+        return dict(environ)
+    return {**environ, "GLIBC_TUNABLES": ":".join(x for x in (tunables, f"{TUNABLE}=1") if x)}
 
 
 def reexec_with_huge_pages(start: float) -> None:

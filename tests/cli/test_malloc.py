@@ -35,3 +35,8 @@ def test_process_start_is_taken_out_of_the_environment(monkeypatch):
     assert malloc.process_start(99.0) == 42.5
     assert "SLM_PROCESS_START" not in os.environ
     assert malloc.process_start(99.0) == 99.0
+
+
+def test_child_environment_gets_the_tunable_unless_the_user_chose():
+    assert malloc.with_huge_pages({"A": "1"}) == {"A": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert malloc.with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
