@@ -111,6 +111,9 @@ def parse_args() -> argparse.Namespace:
                    help="times a race disturbed by other programs (>= --quiet-below cores over 10 s) is run again")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="give up on a quality-race program after this many seconds (a loaded machine)")
+    p.add_argument("--peer-huge-pages", action="store_true",
+                   help="run nanoGPT under the trainer's huge-page malloc too (GLIBC_TUNABLES=glibc.malloc.hugetlb=1; "
+                        "the trainer sets it for itself, slm/cli/malloc.py): the same allocator for both")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, runs, checkpoints)")
     a = p.parse_args()
@@ -576,7 +579,9 @@ def speed_race(a: argparse.Namespace, peer: str, scratch: str) -> dict:
 def matmul_floor() -> float:
     """Seconds for our step's matrix products alone at the baby shape (bench/step_variants.py --floor-only, under
     the trainer's huge-page malloc): no step of this model, run by XLA on these devices, can be faster."""
-    from slm.cli.malloc import with_huge_pages  # the allocator the trainer runs under (slm/cli/malloc.py)
+    from slm.cli.malloc import (
+        with_huge_pages,  # the allocator the trainer runs under (slm/cli/malloc.py)
+    )
 
     r = subprocess.run([PY, os.path.join(HERE, "step_variants.py"), "--floor-only"], capture_output=True, text=True,
                        check=True, env=with_huge_pages(dict(os.environ)))
@@ -600,10 +605,15 @@ def nanogpt_params(peer: str) -> int:
 def main() -> None:
     a = parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # the finally blocks end the programs
+    if a.peer_huge_pages:  # inherited by every program started from here (ours sets it for itself anyway)
+        from slm.cli.malloc import with_huge_pages
+
+        os.environ.update(with_huge_pages(dict(os.environ)))
     m = machine()
     print(f"vs nanoGPT, one sitting: {m['date']} | {m['cpu']}, {m['cores']} cores | python {m['python']}, "
           f"jax {m['jax']}, jaxlib {m['jaxlib']}, flax {m['flax']}, optax {m['optax']}, torch {m['torch']}, "
-          f"numpy {m['numpy']}{' | --quick' if a.quick else ''}", flush=True)
+          f"numpy {m['numpy']}{' | --quick' if a.quick else ''}"
+          f"{' | nanoGPT under GLIBC_TUNABLES=' + os.environ['GLIBC_TUNABLES'] if a.peer_huge_pages else ''}", flush=True)
     start_uptime = uptime()
     print(f"[start] {start_uptime}", flush=True)
     scratch = tempfile.mkdtemp(prefix="vs-nanogpt-", dir="/tmp")
