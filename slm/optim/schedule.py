@@ -19,7 +19,7 @@ def warmup_done(progress: float, step: int, warmup_steps: int, warmup_from: floa
 
 
 def lr_at(progress: float, step: int, peak: float, warmup_steps: int, final_frac: float = 0.1,
-          warmup_end: float = 0.0, kind: str = "cosine", decay_frac: float = 0.2, warmup_from: float = 0.0) -> float:
+          warmup_end: float = 0.0, kind: str = "cosine", decay_frac: float = 0.5, warmup_from: float = 0.0) -> float:
     """Linear warmup over `warmup_steps` optimizer steps, then cosine from peak to final_frac * peak, or
     (kind "wsd") the peak until `decay_frac` of the run is left and then linearly to 0 at progress 1.
 

@@ -86,7 +86,7 @@ class Config:
     optimizer: str | None = setting(None, "muon: Muon on the hidden matrices (attention and MLP kernels), AdamW on embedding, head, norms (slm/optim/muon.py); adamw: AdamW on every parameter. Default: muon, adamw with --lora-rank", IDENTITY, unset="auto", choices=("adamw", "muon"))
     muon_learning_rate: float = setting(0.02, "With --optimizer muon: peak learning rate of the hidden matrices (follows the same schedule as --learning-rate)", IDENTITY)
     schedule: str = setting("wsd", "cosine: warmup, then cosine to 10% of the peak; wsd: warmup, the peak until --decay-fraction of the run (of --max-time's time, --max-steps' steps) is left, then linear to 0", IDENTITY, choices=("cosine", "wsd"))
-    decay_fraction: float = setting(0.2, "With --schedule wsd: the last fraction of the run over which the rate decays to 0", IDENTITY, "fraction")
+    decay_fraction: float = setting(0.5, "With --schedule wsd: the last fraction of the run over which the rate decays to 0 (0.5: measured in docs/performance.md)", IDENTITY, "fraction")
     warmup_steps: int = setting(100, "Linear warmup (optimizer steps; over at most the first 20% of the run: of its steps, or of its time with --max-time)", IDENTITY, "steps")
     weight_decay: float = setting(0.1, "Decoupled weight decay on matrices", IDENTITY)
     grad_clip: float = setting(1.0, "Clip gradients to this global norm (0: off)", IDENTITY)

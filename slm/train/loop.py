@@ -145,7 +145,7 @@ class Schedule:
     start: float = 0.0  # what --max-time counts from
     epochs: int = 1
     kind: str = "cosine"  # or "wsd" (slm.optim.schedule.lr_at)
-    decay_frac: float = 0.2
+    decay_frac: float = 0.5
 
     def lr(self, run: RunState, now: float, procs: Processes) -> float:
         if self.max_steps:
