@@ -47,11 +47,14 @@ def reexec_with_huge_pages(start: float) -> None:
     """Replace this process with the same command under the tunable (same pid, so signals and job control
     are unaffected); returns only when nothing needs doing. Call before anything heavy is imported."""
     env = reexec_env(dict(os.environ), start, on_glibc())
-    if env is None:
+    if env is None or not sys.executable or not sys.orig_argv:  # an embedded interpreter: nothing to restart
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError:  # cannot restart (a sandbox, a vanished interpreter): train as it is, only slower
+        return
 
 
 def process_start(default: float) -> float:
