@@ -123,9 +123,17 @@ def base_shapes(model: Transformer, spec: StepSpec) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), base)
 
 
+def shares_muon_work(spec: StepSpec, mesh: Any) -> bool:
+    """Whether the devices share Muon's Newton-Schulz work (slm.optim.muon.grouped_muon): with the state
+    replicated (dp) on accelerators. Not on host CPU devices: XLA's in-process CPU collectives can deadlock
+    until their 40 s rendezvous timeout aborts the process (docs/design.md, "Devices"), and the gathers this
+    adds to every step made a test run abort once; there each device keeps running all of it."""
+    return spec.sharding == "dp" and mesh.devices.flat[0].platform != "cpu"
+
+
 def build(spec: StepSpec, mesh: Any) -> Built:
     """Model, optimizer and the state's shardings on `mesh` (nothing allocated)."""
-    model, tx, abstract = model_and_optimizer(spec, mesh if spec.sharding == "dp" else None)
+    model, tx, abstract = model_and_optimizer(spec, mesh if shares_muon_work(spec, mesh) else None)
 
     def placed(tree: Any) -> tuple[Any, Any]:
         sh = state_shardings(tree, mesh, spec.sharding)
