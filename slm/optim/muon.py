@@ -31,9 +31,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 from optax import contrib
 
-# optax.contrib.muon's defaults: quintic Newton-Schulz coefficients, the norm's epsilon, Adam's betas.
+# optax.contrib.muon's defaults: the quintic Newton-Schulz coefficients and the epsilon of the norm and Adam.
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 EPS = 1e-8
 
@@ -95,8 +96,6 @@ def _newton_schulz(x_NxRxO: jax.Array, coeffs: jax.Array, steps: int) -> jax.Arr
 def orthogonalize_grouped(tree: Any, coeffs: jax.Array, steps: int, mesh: Any) -> Any:
     """Each leaf ((R, O) or a (R, k, O) stack of k matrices) orthogonalised, the matrices of one shape stacked
     and their stack split over `mesh`'s devices (padded with zero matrices to a multiple of its size)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     split, whole = NamedSharding(mesh, PartitionSpec(mesh.axis_names)), NamedSharding(mesh, PartitionSpec())
     leaves, treedef = jax.tree.flatten(tree)
     stacks = [x[None] if x.ndim == 2 else jnp.swapaxes(x, 0, 1) for x in leaves]  # (k, R, O)

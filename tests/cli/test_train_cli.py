@@ -75,7 +75,7 @@ def test_tiny_run_writes_every_output(tiny_run):
                 "model_flops_per_token", "peak_rss_mb"):
         assert key in summary
     assert summary["steps"] == 60 and summary["tokens"] == 60 * 16 * 64
-    if malloc.on_glibc() and "GLIBC_TUNABLES" not in os.environ:  # the command line restarted itself once under huge-page malloc (slm/cli/malloc.py)
+    if malloc.on_glibc() and "GLIBC_TUNABLES" not in os.environ:  # restarted once under huge-page malloc
         assert summary["glibc_tunables"] == "glibc.malloc.hugetlb=1"
     assert "Traceback" not in proc.stderr
     # TensorBoard events with the logged scalars, and the loss plot (a PNG).

@@ -116,7 +116,7 @@ jax.config.update("jax_num_cpu_devices", 2)
 import jax.numpy as jnp, numpy as np, optax
 from slm.model.sizing import ModelShape, choose_shape
 from slm.model.transformer import Transformer, init_params
-from slm.optim.muon import labels, muon_direction, split_view
+from slm.optim.muon import muon_direction, split_view
 
 mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -124,7 +124,6 @@ gqa = ModelShape(vocab_size=300, n_layers=3, d_model=64, n_heads=4, d_ff=96, n_k
 for shape in (choose_shape(300_000, 512), gqa):  # 3 layers: odd stacks, padded; gqa: qkv taken whole
     params = split_view(init_params(Transformer(shape), 0, 8))
     hidden = {k: v for k, v in params.items() if k.startswith("block_")}
-    hidden = jax.tree.map(lambda x, l: x, hidden, labels(hidden))
     hidden = {b: {m: {n: {"kernel": leaf["kernel"]} for n, leaf in mod.items() if "kernel" in leaf and n in
               ("qkv", "o", "gate_up", "down")} for m, mod in blk.items() if m in ("attn", "mlp")}
               for b, blk in hidden.items()}
