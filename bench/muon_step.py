@@ -9,9 +9,9 @@ per core, the batch split, the state replicated), float32, the shape `--target-p
 vocabulary. Variants:
 
   adamw         --optimizer adamw
-  muon-optax    optax.contrib.muon, so each device orthogonalises every matrix (--optimizer muon on host CPU devices)
-  muon-shared   slm.optim.muon.grouped_muon, each device orthogonalises its share (--optimizer muon on accelerators;
-                not on host CPU devices, where XLA's in-process collectives aborted a test run once: docs/performance.md)
+  muon-optax    optax.contrib.muon, so each device orthogonalises every matrix (--optimizer muon on one device)
+  muon-shared   slm.optim.muon.grouped_muon, each device orthogonalises its share and one all-gather shares the
+                results (--optimizer muon on several devices with --sharding dp, host CPU devices included)
 
 Each: compile, 3 warm-up steps, then --rounds rounds of 20 steps per variant, interleaved; the median step time
 per variant, its ratio to muon-optax's, and the loss after the rounds (muon-optax and muon-shared compute the

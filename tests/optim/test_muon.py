@@ -156,3 +156,34 @@ def test_grouped_newton_schulz_over_two_devices_equals_optax_muon(tmp_path):
     proc = subprocess.run([sys.executable, "-c", GROUPED_VS_OPTAX], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+STEP_COLLECTIVES = """
+import collections, re
+from slm.train.devices import configure_cpu_devices
+configure_cpu_devices(2)
+from slm.model.sizing import choose_shape
+from slm.train import builder
+
+spec = builder.StepSpec(choose_shape(300_000, 512), seq_len=32, batch_size=4, optimizer="muon")
+compiled = builder.compile_step(builder.build(spec, builder.training_mesh(4, False)))[0]
+ops = re.findall(r" (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?[(]",
+                 compiled.as_text())
+print(sorted(collections.Counter(ops).items()))
+"""
+
+
+def test_the_trainers_muon_step_on_two_host_devices_has_one_gather_after_the_gradient_all_reduce():
+    """The shared orthogonalisation adds exactly one collective to the step's two all-reduces (the scored-token
+    count, then the gradients), after them in data order. With sharding constraints XLA spread it into 9
+    gathers, 15 all-to-alls and 3 more all-reduces, some inside a conditional, and two host devices then sometimes waited in
+    different collectives of one step until XLA's rendezvous timeout aborted the process."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", STEP_COLLECTIVES], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[('all-gather', 1), ('all-reduce', 2)]"
