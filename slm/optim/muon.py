@@ -125,8 +125,8 @@ def shared_newton_schulz(stacks: list, coeffs: jax.Array, steps: int, mesh: Any)
     XLA's partitioner spread the split into the update around them (9 all-gathers, 15 all-to-alls and 3
     all-reduces more in one step, some inside apply_if_finite's conditional), and on host CPU devices the
     two devices then sometimes waited in different collectives of one step until XLA's 40 s rendezvous
-    timeout aborted the process (4 of 12 runs of tests/train/test_resume.py beside two others). Here the step has exactly one collective
-    more than with AdamW, after the gradient all-reduce in data order."""
+    timeout aborted the process (4 of 12 runs of tests/train/test_resume.py beside two others). Here the
+    step has exactly one collective more than with AdamW, after the gradient all-reduce in data order."""
     axes, size = tuple(mesh.axis_names), mesh.size
 
     def local(coeffs: jax.Array, *stacks: jax.Array) -> jax.Array:

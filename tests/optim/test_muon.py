@@ -176,8 +176,8 @@ print(sorted(collections.Counter(ops).items()))
 def test_the_trainers_muon_step_on_two_host_devices_has_one_gather_after_the_gradient_all_reduce():
     """The shared orthogonalisation adds exactly one collective to the step's two all-reduces (the scored-token
     count, then the gradients), after them in data order. With sharding constraints XLA spread it into 9
-    gathers, 15 all-to-alls and 3 more all-reduces, some inside a conditional, and two host devices then sometimes waited in
-    different collectives of one step until XLA's rendezvous timeout aborted the process."""
+    gathers, 15 all-to-alls and 3 more all-reduces, some inside a conditional, and two host devices then
+    sometimes waited in different collectives of one step until XLA's rendezvous timeout aborted the process."""
     import subprocess
     import sys
 
