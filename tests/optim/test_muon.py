@@ -146,16 +146,22 @@ print("ok")
 """
 
 
-def test_grouped_newton_schulz_over_two_devices_equals_optax_muon(tmp_path):
-    """Sharing the orthogonalisation out over a 2-device mesh gives optax's updates and state, same layout."""
+def _run_script(script: str) -> str:
+    """Run `script` in a fresh interpreter (it sets up its own host devices); its stripped stdout."""
     import subprocess
     import sys
 
     from helpers import ROOT
 
-    proc = subprocess.run([sys.executable, "-c", GROUPED_VS_OPTAX], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip()
+
+
+def test_grouped_newton_schulz_over_two_devices_equals_optax_muon(tmp_path):
+    """Sharing the orthogonalisation out over a 2-device mesh gives optax's updates and state, same layout."""
+    assert _run_script(GROUPED_VS_OPTAX) == "ok"
 
 
 STEP_COLLECTIVES = """
@@ -178,12 +184,4 @@ def test_the_trainers_muon_step_on_two_host_devices_has_one_gather_after_the_gra
     count, then the gradients), after them in data order. With sharding constraints XLA spread it into 9
     gathers, 15 all-to-alls and 3 more all-reduces, some inside a conditional, and two host devices then
     sometimes waited in different collectives of one step until XLA's rendezvous timeout aborted the process."""
-    import subprocess
-    import sys
-
-    from helpers import ROOT
-
-    proc = subprocess.run([sys.executable, "-c", STEP_COLLECTIVES], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "[('all-gather', 1), ('all-reduce', 2)]"
+    assert _run_script(STEP_COLLECTIVES).splitlines()[-1] == "[('all-gather', 1), ('all-reduce', 2)]"
