@@ -14,7 +14,8 @@ rounds, its spread (min-max) and its ratio to the first config's median; nothing
 from another sitting.
 
 A config is NAME=DEVICES|XLA_FLAGS (flags space-separated, appended to XLA_FLAGS); a NAME containing "bf16"
-computes in bfloat16 (the trainer's --use-mixed-precision: float32 master weights), as --bf16 does for all.
+computes in bfloat16 (the trainer's --use-mixed-precision: float32 master weights), as --bf16 does for all;
+a NAME containing "bmm" runs the matrix products with bf16 operands (the trainer's --matmul-precision bfloat16).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def worker(a: argparse.Namespace) -> None:
     shape = (ModelShape(n_layers=4, d_model=128, n_heads=4, d_ff=344, vocab_size=65) if a.shape == "baby"
              else choose_shape(1_000_000, 1024))
     bf16 = a.bf16 or os.environ.get("BENCH_BF16") == "1"
-    model = Transformer(shape, dtype=jnp.bfloat16 if bf16 else jnp.float32)
+    matmul = "bfloat16" if os.environ.get("BENCH_MATMUL") == "bfloat16" else "float32"
+    model = Transformer(shape, dtype=jnp.bfloat16 if bf16 else jnp.float32, matmul=matmul)
     tx = make_optimizer()
     mesh = data_mesh(a.batch_size)
     replicated, batch_sharded = shardings(mesh)
@@ -101,7 +103,8 @@ def main() -> None:
     procs = {}
     for name, spec in configs:
         devices, flags = spec.split("|", 1)
-        env = dict(os.environ, BENCH_DEVICES=devices, BENCH_BF16="1" if "bf16" in name else "0", XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+        env = dict(os.environ, BENCH_DEVICES=devices, BENCH_BF16="1" if "bf16" in name else "0",
+                   BENCH_MATMUL="bfloat16" if "bmm" in name else "float32", XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
         p = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         procs[name] = p
         json.loads(p.stdout.readline())  # compiled: one at a time, so compiles do not overlap windows

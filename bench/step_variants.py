@@ -39,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from slm.model.matmul import bf16_linear  # noqa: E402
 import slm.model.transformer as T  # noqa: E402
 import slm.train.step as S  # noqa: E402
 from slm.model.sizing import ModelShape, choose_shape  # noqa: E402
@@ -86,9 +87,9 @@ def median_ms(f, rounds: int, n: int = 30) -> float:
     return statistics.median(times) * 1e3
 
 
-def phases(shape, batch, rep, rounds: int) -> None:
+def phases(shape, batch, rep, rounds: int, matmul: str = "float32") -> None:
     """Forward, forward + backward, optimizer update and the whole step of the base model."""
-    model, tx = T.Transformer(shape), make_optimizer()
+    model, tx = T.Transformer(shape, matmul=matmul), make_optimizer()
     params = jax.device_put(T.init_params(model, 0, batch["input_ids"].shape[1]), rep)
     loss = lambda p, x, y: T.mean_nll(T.token_nll(model, p, x, y), y)  # noqa: E731 (batch as arguments: split)
     fwd, grad = jax.jit(loss), jax.jit(jax.value_and_grad(loss))
@@ -108,11 +109,13 @@ def phases(shape, batch, rep, rounds: int) -> None:
         print(f"  {name:>20}: {median_ms(f, rounds):.2f} ms", flush=True)
 
 
-def gemm_floor(shape, batch, rep, rounds: int) -> float:
+def gemm_floor(shape, batch, rep, rounds: int, matmul: str = "float32") -> float:
     """The step's matrix products alone, as one jitted program on the same split batch: per linear layer the
     forward x @ W and the backward dY @ W^T and x^T @ dY (whose batch contraction all-reduces over the
     devices, as the gradients do); per head the score and value products, forward and backward. Nothing
-    else (no softmax, norms, activations, loss or optimizer): a step cannot be faster than this."""
+    else (no softmax, norms, activations, loss or optimizer): a step cannot be faster than this. With `matmul`
+    bfloat16 the linear layers' three products are the trainer's own (slm.model.matmul.bf16_linear and its
+    VJP); attention's stay float32, as in the model."""
     B, L = batch["input_ids"].shape
     D, F, V, H, K = shape.d_model, shape.d_ff, shape.vocab_size, shape.n_heads, shape.head_dim
     G = shape.kv_heads
@@ -128,7 +131,11 @@ def gemm_floor(shape, batch, rep, rounds: int) -> float:
     def products(ws, xs, ys, q):
         acc = jnp.float32(0)
         for w, x, dy in zip(ws, xs, ys):
-            y, dx, dw = x @ w, dy @ w.T, jnp.einsum("bli,blo->io", x, dy)
+            if matmul == "bfloat16":
+                y, vjp = jax.vjp(bf16_linear, x, w)
+                dx, dw = vjp(dy)
+            else:
+                y, dx, dw = x @ w, dy @ w.T, jnp.einsum("bli,blo->io", x, dy)
             acc += y[0, 0, 0] + dx[0, 0, 0] + dw[0, 0]
         # q stands in for q, k, v and d(out): s = q k^T, o = s v; dp = do v^T, dv = s^T do, dq = dp k, dk = dp^T q
         for _ in range(shape.n_layers):
@@ -157,6 +164,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=12)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--floor-only", action="store_true", help="the phases and the matmul floor, no variants")
+    p.add_argument("--matmul-precision", default="float32", choices=("float32", "bfloat16"),
+                   help="the trainer's --matmul-precision for the phases and the floor (the variants: float32)")
     a = p.parse_args()
     shape = (choose_shape(a.target_params, 1024) if a.target_params
              else ModelShape(n_layers=4, d_model=128, n_heads=4, d_ff=344, vocab_size=65))
@@ -165,9 +174,9 @@ def main() -> None:
     ids = np.random.default_rng(0).integers(0, shape.vocab_size, (a.batch_size, a.seq_len + 1)).astype(np.int32)
     batch = {"input_ids": jax.device_put(ids[:, :-1], split), "targets": jax.device_put(ids[:, 1:], split)}
     print(f"step_variants: {time.strftime('%Y-%m-%d %H:%M')}, {shape}, seq {a.seq_len}, batch {a.batch_size}, "
-          f"{mesh.devices.size} devices", flush=True)
-    phases(shape, batch, rep, a.rounds)
-    gemm_floor(shape, batch, rep, a.rounds)
+          f"{mesh.devices.size} devices, {a.matmul_precision} matmuls", flush=True)
+    phases(shape, batch, rep, a.rounds, a.matmul_precision)
+    gemm_floor(shape, batch, rep, a.rounds, a.matmul_precision)
     if a.floor_only:
         return
     runs = {}

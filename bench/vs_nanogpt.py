@@ -51,6 +51,11 @@ Then (not --no-floor) the ceiling: our step's matrix products alone at that shap
 --floor-only`: every forward and backward product of the step, as one XLA program split over the devices as
 the step is, nothing else), and nanoGPT's median step over that floor: the speed ratio a step that cost
 nothing but its matrix products would reach.
+
+Precision: both of our runs (and the floor) take --matmul-precision, by default bfloat16 where the CPU has
+AVX512-BF16 or AMX-BF16 (the projections', MLP's and head's products with bf16 operands and float32 sums;
+slm/model/matmul.py), else float32. nanoGPT's recipe on CPU runs float32 (its train.py uses no autocast on
+CPU), and it is raced as its README gives it.
 """
 
 from __future__ import annotations
@@ -103,6 +108,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-floor", action="store_true", help="skip timing our step's matrix products alone")
     p.add_argument("--context", type=int, default=64,
                    help="our quality run's --seq-len: nanoGPT's block size, 64 (0: the trainer's default, 128)")
+    p.add_argument("--matmul-precision", default=None, choices=("float32", "bfloat16"),
+                   help="our runs' --matmul-precision, both races and the floor (default: bfloat16 where the CPU "
+                        "has AVX512-BF16 or AMX-BF16, else float32; nanoGPT's CPU recipe is float32 either way)")
     p.add_argument("--ours", default="", help="extra flags for our quality-race run (quoted), e.g. '--seq-len 256'")
     p.add_argument("--quiet-below", type=float, default=0.5,
                    help="before each race, wait until other programs use fewer cores than this (0: don't wait)")
@@ -118,6 +126,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, runs, checkpoints)")
     a = p.parse_args()
     a.iters = a.iters or (200 if a.quick else 2000)
+    if a.matmul_precision is None:
+        from slm.model.matmul import cpu_has_bf16_dot
+
+        a.matmul_precision = "bfloat16" if cpu_has_bf16_dot() else "float32"
     a.speed_steps = a.speed_steps or (150 if a.quick else 500)
     a.skip = a.skip if a.skip is not None else (30 if a.quick else 50)
     a.slice = a.slice or (2.0 if a.quick else 4.0)
@@ -506,7 +518,8 @@ def quality_race(a: argparse.Namespace, peer: str, scratch: str) -> dict:
     flags = ["--dataset-id", os.path.join(DATA, "tinyshakespeare_train.txt"),
              "--eval-dataset-id", os.path.join(DATA, "tinyshakespeare_val.txt"),
              "--target-params", "800000", "--max-time", f"{budget:g}",
-             *(["--seq-len", str(a.context)] if a.context else []), *a.ours.split()]
+             *(["--seq-len", str(a.context)] if a.context else []), "--matmul-precision", a.matmul_precision,
+             *a.ours.split()]
 
     def ours(watch: Watch):
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -535,7 +548,7 @@ def speed_race(a: argparse.Namespace, peer: str, scratch: str) -> dict:
     ng_out = os.path.join(peer, "out-speed")
     # No --eval-dataset-id: a 1,024-token held-out head keeps the end-of-run eval short (it is not timed).
     ours = ours_cmd(run_dir, "--dataset-id", os.path.join(DATA, "tinyshakespeare_train.txt"), "--tokenizer", tok,
-                    *BABY, "--max-steps", str(a.speed_steps), "--log-every", "1", "--eval-tokens", "1024",
+                    *BABY, "--matmul-precision", a.matmul_precision, "--max-steps", str(a.speed_steps), "--log-every", "1", "--eval-tokens", "1024",
                     "--eval-every", "1000000000", "--checkpoint-every", "1000000000")
     jobs = {"nanoGPT": (nanogpt_cmd(a.speed_steps, ng_out, speed=True), peer,
                         os.path.join(scratch, "nanogpt-speed.log")),
@@ -569,21 +582,21 @@ def speed_race(a: argparse.Namespace, peer: str, scratch: str) -> dict:
     out["ratio"] = out["ours"]["gflops"] / out["nanoGPT"]["gflops"]
     out["step_time_ratio"] = out["nanoGPT"]["median_step_s"] / out["ours"]["median_step_s"]
     if not a.no_floor:
-        out["floor_s"] = matmul_floor()
+        out["floor_s"] = matmul_floor(a.matmul_precision)
         print(f"[speed] our step's matrix products alone (bench/step_variants.py --floor-only): "
               f"{out['floor_s'] * 1e3:.2f} ms", flush=True)
     print(f"[speed] {uptime()}", flush=True)
     return out
 
 
-def matmul_floor() -> float:
+def matmul_floor(matmul: str = "float32") -> float:
     """Seconds for our step's matrix products alone at the baby shape (bench/step_variants.py --floor-only, under
     the trainer's huge-page malloc): no step of this model, run by XLA on these devices, can be faster."""
     from slm.cli.malloc import (
         with_huge_pages,  # the allocator the trainer runs under (slm/cli/malloc.py)
     )
 
-    r = subprocess.run([PY, os.path.join(HERE, "step_variants.py"), "--floor-only"], capture_output=True, text=True,
+    r = subprocess.run([PY, os.path.join(HERE, "step_variants.py"), "--floor-only", "--matmul-precision", matmul], capture_output=True, text=True,
                        check=True, env=with_huge_pages(dict(os.environ)))
     line = next(x for x in r.stdout.splitlines() if "matmuls only:" in x)
     return float(line.split("matmuls only:")[1].split("ms")[0]) / 1e3
@@ -612,7 +625,7 @@ def main() -> None:
     m = machine()
     print(f"vs nanoGPT, one sitting: {m['date']} | {m['cpu']}, {m['cores']} cores | python {m['python']}, "
           f"jax {m['jax']}, jaxlib {m['jaxlib']}, flax {m['flax']}, optax {m['optax']}, torch {m['torch']}, "
-          f"numpy {m['numpy']}{' | --quick' if a.quick else ''}"
+          f"numpy {m['numpy']} | ours --matmul-precision {a.matmul_precision}{' | --quick' if a.quick else ''}"
           f"{' | nanoGPT under GLIBC_TUNABLES=' + os.environ['GLIBC_TUNABLES'] if a.peer_huge_pages else ''}", flush=True)
     start_uptime = uptime()
     print(f"[start] {start_uptime}", flush=True)
@@ -664,7 +677,8 @@ def report(r: dict) -> None:
         print(f"   speed at nanoGPT's shape (median step, steps {s['steps'][0]}-{s['steps'][1]}, interleaved in "
               f"{s['slice_s']:g}s slices): nanoGPT {ng['median_step_s'] * 1e3:.2f} ms = {ng['gflops']:.1f} GFLOP/s | "
               f"ours {us['median_step_s'] * 1e3:.2f} ms = {us['gflops']:.1f} GFLOP/s | ratio {s['ratio']:.2f}x "
-              f"(goal >= 1.5); step time {s['step_time_ratio']:.2f}x")
+              f"(goal >= 1.5); step time {s['step_time_ratio']:.2f}x; ours --matmul-precision "
+              f"{r['args']['matmul_precision']}, nanoGPT float32 (its CPU recipe)")
         print(f"      other programs' load during the slices: nanoGPT's {ng['others_cores']:.2f} cores, ours "
               f"{us['others_cores']:.2f} cores")
         if "floor_s" in s:

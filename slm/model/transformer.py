@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from slm.model.lora import LoraSpec, adapted
+from slm.model.matmul import bf16_dot_general, bf16_linear_rows
 from slm.model.sizing import ModelShape
 
 Dtype = Any
@@ -106,21 +107,24 @@ def document_layout(ids_BxL: jax.Array, start_id: int) -> tuple[jax.Array, jax.A
     return index_L - first_BxL, same_BxLxL & jnp.tril(jnp.ones((L, L), dtype=bool))
 
 
-def dense(features: int, name: str, dtype: Dtype, std: float, bias: bool = False) -> nn.Dense:
+def dense(features: int, name: str, dtype: Dtype, std: float, bias: bool = False,
+          matmul: str = "float32") -> nn.Dense:
+    """A Linen Dense with float32 parameters; `matmul` "bfloat16": its products in bf16 (slm.model.matmul)."""
     return nn.Dense(
         features, use_bias=bias, dtype=dtype, param_dtype=jnp.float32,
         kernel_init=nn.initializers.normal(std), name=name,
+        dot_general=bf16_dot_general if matmul == "bfloat16" else None,
     )
 
 
 def project_qkv(shape: ModelShape, dtype: Dtype, x_BxLxD: jax.Array, module: nn.Module | None = None,
-                lora: LoraSpec | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                lora: LoraSpec | None = None, matmul: str = "float32") -> tuple[jax.Array, jax.Array, jax.Array]:
     """One fused projection (named "qkv", inside the calling `module`) -> q (B, L, H, K), k and v (B, L, G, K);
     G = H without grouped-query attention, when the kernel is (D, 3D) as it always was. With `lora`, the
     module's q/k/v adapters add to their columns."""
     B, L, _ = x_BxLxD.shape
     H, G, K = shape.n_heads, shape.kv_heads, shape.head_dim
-    qkv = dense((H + 2 * G) * K, "qkv", dtype, 0.02, bias=shape.qkv_bias)(x_BxLxD)
+    qkv = dense((H + 2 * G) * K, "qkv", dtype, 0.02, bias=shape.qkv_bias, matmul=matmul)(x_BxLxD)
     qkv = adapted(module, lora, qkv, x_BxLxD, "qkv").reshape(B, L, H + 2 * G, K)
     return qkv[:, :, :H], qkv[:, :, H:H + G], qkv[:, :, H + G:]
 
@@ -149,48 +153,51 @@ class Attention(nn.Module):
     shape: ModelShape
     dtype: Dtype
     lora: LoraSpec | None = None
+    matmul: str = "float32"  # the projections' product precision (slm.model.matmul)
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         H, K, theta = self.shape.n_heads, self.shape.head_dim, self.shape.rope_theta
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
-        q, k, v = project_qkv(self.shape, self.dtype, x_BxLxD, self, self.lora)
+        q, k, v = project_qkv(self.shape, self.dtype, x_BxLxD, self, self.lora, self.matmul)
         if layout is None:  # one causal sequence
             q, k, mask = rotary(q, theta), rotary(k, theta), jnp.tril(jnp.ones((L, L), dtype=bool))
         else:  # packed documents kept apart (document_layout)
             pos_BxL, mask = layout
             q, k = rotary_positions(q, pos_BxL, theta), rotary_positions(k, pos_BxL, theta)
         out_BxLxHK = attend(q, k, v, mask, self.dtype).reshape(B, L, H * K)
-        return adapted(self, self.lora, dense(D, "o", self.dtype, out_std)(out_BxLxHK), out_BxLxHK, "o")
+        return adapted(self, self.lora, dense(D, "o", self.dtype, out_std, matmul=self.matmul)(out_BxLxHK), out_BxLxHK, "o")
 
 
 class SwiGLU(nn.Module):
     shape: ModelShape
     dtype: Dtype
     lora: LoraSpec | None = None
+    matmul: str = "float32"
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         F = self.shape.d_ff
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
-        gate_up_BxLx2F = adapted(self, self.lora, dense(2 * F, "gate_up", self.dtype, 0.02)(x_BxLxD), x_BxLxD, "gate_up")
+        gate_up_BxLx2F = adapted(self, self.lora, dense(2 * F, "gate_up", self.dtype, 0.02, matmul=self.matmul)(x_BxLxD), x_BxLxD, "gate_up")
         gate, up = jnp.split(gate_up_BxLx2F, 2, axis=-1)
         h_BxLxF = nn.silu(gate) * up
-        return adapted(self, self.lora, dense(self.shape.d_model, "down", self.dtype, out_std)(h_BxLxF), h_BxLxF, "down")
+        return adapted(self, self.lora, dense(self.shape.d_model, "down", self.dtype, out_std, matmul=self.matmul)(h_BxLxF), h_BxLxF, "down")
 
 
 class Block(nn.Module):
     shape: ModelShape
     dtype: Dtype
     lora: LoraSpec | None = None
+    matmul: str = "float32"
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         eps = self.shape.norm_eps
-        attn = Attention(self.shape, self.dtype, self.lora, name="attn")
+        attn = Attention(self.shape, self.dtype, self.lora, self.matmul, name="attn")
         x_BxLxD = x_BxLxD + attn(RMSNorm(eps, name="attn_norm")(x_BxLxD), layout)
-        x_BxLxD = x_BxLxD + SwiGLU(self.shape, self.dtype, self.lora, name="mlp")(RMSNorm(eps, name="mlp_norm")(x_BxLxD))
+        x_BxLxD = x_BxLxD + SwiGLU(self.shape, self.dtype, self.lora, self.matmul, name="mlp")(RMSNorm(eps, name="mlp_norm")(x_BxLxD))
         return x_BxLxD
 
 
@@ -202,6 +209,7 @@ class Transformer(nn.Module):
     remat: bool = False  # gradient checkpointing: recompute each block's activations in backward
     doc_start: int | None = None  # document masking: the token each packed document begins at (None: off)
     lora: LoraSpec | None = None  # adapters on a frozen base (slm.model.lora)
+    matmul: str = "float32"  # "bfloat16": the projections and head in bf16 products, f32 sums (slm.model.matmul)
 
     @nn.compact
     def __call__(self, ids_BxL: jax.Array) -> jax.Array:
@@ -212,10 +220,12 @@ class Transformer(nn.Module):
         layout = None if self.doc_start is None else document_layout(ids_BxL, self.doc_start)
         block_cls = nn.remat(Block, prevent_cse=True) if self.remat else Block
         for i in range(self.shape.n_layers):
-            x_BxLxD = block_cls(self.shape, self.dtype, self.lora, name=f"block_{i}")(x_BxLxD, layout)
+            x_BxLxD = block_cls(self.shape, self.dtype, self.lora, self.matmul, name=f"block_{i}")(x_BxLxD, layout)
         x_BxLxD = RMSNorm(self.shape.norm_eps, name="final_norm")(x_BxLxD)
-        head_VxD = head_weights(self, embed_VxD).astype(self.dtype)
-        return jnp.einsum("bld,vd->blv", x_BxLxD, head_VxD, preferred_element_type=jnp.float32)
+        head_VxD = head_weights(self, embed_VxD)
+        if self.matmul == "bfloat16":
+            return bf16_linear_rows(x_BxLxD, head_VxD, jnp.float32)
+        return jnp.einsum("bld,vd->blv", x_BxLxD, head_VxD.astype(self.dtype), preferred_element_type=jnp.float32)
 
 
 def head_weights(module: nn.Module, embed_VxD: jax.Array) -> jax.Array:

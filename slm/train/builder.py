@@ -55,13 +55,15 @@ class StepSpec:
     base_dtype: str = "float32"  # the frozen base's dtype, with lora
     optimizer: str = "adamw"  # or "muon" (slm.optim.muon)
     muon_lr_ratio: float = 1.0  # Muon's peak learning rate / AdamW's
+    matmul: str = "float32"  # the matrix products' operand dtype (slm.model.matmul)
 
     @classmethod
     def from_config(cls, c: Any, shape: ModelShape, doc_start: int | None = None) -> StepSpec:
         """The spec of a slm.train.config.Config (or a run's config.json as a namespace)."""
         return cls(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, c.use_mixed_precision,
                    c.gradient_checkpointing, c.use_8bit_optimizer, c.weight_decay, c.grad_clip, c.sharding, c.seed,
-                   doc_start, lora_spec(c), getattr(c, "base_dtype", "float32"), *optimizer_of(c))
+                   doc_start, lora_spec(c), getattr(c, "base_dtype", "float32"), *optimizer_of(c),
+                   getattr(c, "matmul_precision", "float32"))
 
 
 def optimizer_of(c: Any) -> tuple[str, float]:
@@ -101,7 +103,7 @@ def model_and_optimizer(spec: StepSpec, mesh: Any = None) -> tuple[Transformer, 
     """The Flax model, the optax transformation and the state's shapes (jax.eval_shape: nothing allocated).
     `mesh`: where the state is replicated (dp), so Muon can share its Newton-Schulz work over the devices."""
     model = Transformer(spec.shape, dtype=jnp.bfloat16 if spec.mixed_precision else jnp.float32, remat=spec.remat,
-                        doc_start=spec.doc_start, lora=spec.lora)
+                        doc_start=spec.doc_start, lora=spec.lora, matmul=spec.matmul)
     tx = make_optimizer(spec.weight_decay, spec.grad_clip, spec.accumulation, use_8bit=spec.use_8bit,
                         optimizer=spec.optimizer, muon_lr_ratio=spec.muon_lr_ratio, muon_mesh=mesh)
     return model, tx, jax.eval_shape(lambda: fresh_state(trainable_init(model, spec), tx))

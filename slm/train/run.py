@@ -161,7 +161,7 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
     state = init_state(built, None if lora else data.init_params)
     data.init_params = None  # the state (or the base) holds them now: free the host copy
     lplan = loop_plan(c, data, env.start)
-    peak = peak_flops(mesh, procs)
+    peak = peak_flops(mesh, procs, c.matmul_precision)
     facts, resolved = write_config(c, data, built, plan, (state, base), lplan, peak, env)
     assert sum(x.size for x in jax.tree.leaves(state.params)) == facts.trainable_params
     ckpt = Checkpointer(os.path.join(env.out, "checkpoints"), keep=c.keep_checkpoints, log=env.log)
@@ -243,13 +243,13 @@ def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state
     return facts, resolved
 
 
-def peak_flops(mesh: Any, procs: Processes) -> tuple[float, str]:
+def peak_flops(mesh: Any, procs: Processes, matmul: str = "float32") -> tuple[float, str]:
     """The run's peak FLOP/s for MFU: the published peak x devices on accelerators, the host's measured
-    peak x processes on CPU (one process per host)."""
+    peak x processes on CPU (one process per host), for the run's matmul operand dtype."""
     from slm.train.throughput import device_peak_flops
 
     device = mesh.devices.flat[0]
-    peak, source = device_peak_flops(device)
+    peak, source = device_peak_flops(device, matmul)
     return peak * (mesh.devices.size if device.platform != "cpu" else procs.count), source
 
 

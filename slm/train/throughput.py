@@ -27,29 +27,30 @@ PUBLISHED_PEAK_FLOPS = {
 }
 
 
-def device_peak_flops(device) -> tuple[float, str]:
+def device_peak_flops(device, matmul: str = "float32") -> tuple[float, str]:
     """(peak FLOP/s, where the figure comes from) for one jax device.
 
-    Accelerators: the table above. CPU: measured here with a large jitted float32 matmul (~0.5 s),
-    since CPUs vary too much for a table.
+    Accelerators: the table above. CPU: measured here with a large jitted matmul (~0.5 s) with the run's
+    operand dtype (`matmul`, --matmul-precision), since CPUs vary too much for a table.
     """
     kind = getattr(device, "device_kind", "") or ""
     for name, flops in PUBLISHED_PEAK_FLOPS.items():
         if name.lower() in kind.lower():
             return flops, f"published bf16 peak of {name}"
     if device.platform == "cpu":
-        return cpu_peak_flops()
+        return cpu_peak_flops(matmul=matmul)
     return float("nan"), f"unknown device kind {kind!r}"
 
 
-def cpu_peak_flops(cache: str = os.path.join(os.path.expanduser("~"), ".cache", "slm-trainer", "cpu_peak.json")):
+def cpu_peak_flops(cache: str = os.path.join(os.path.expanduser("~"), ".cache", "slm-trainer", "cpu_peak.json"),
+                   matmul: str = "float32") -> tuple[float, str]:
     """Measured CPU peak, remembered per CPU model and core count as the best seen so far.
 
     A single measurement reads low while other processes share the cores, which would inflate MFU;
     keeping the best across runs makes MFU comparable between runs on the same machine.
     """
-    key = f"{_cpu_model()} x{os.cpu_count()}"
-    measured = measure_matmul_flops()
+    key = f"{_cpu_model()} x{os.cpu_count()}" + ("" if matmul == "float32" else f" {matmul}")
+    measured = measure_matmul_flops(dtype=matmul)
     try:
         with open(cache) as f:
             known = json.load(f)
@@ -63,7 +64,7 @@ def cpu_peak_flops(cache: str = os.path.join(os.path.expanduser("~"), ".cache", 
                 json.dump({**known, key: best}, f)
         except OSError:
             pass
-    return best, f"best measured 2048^3 float32 matmul ({measured / 1e9:.0f} GFLOP/s this run)"
+    return best, f"best measured 2048^3 {matmul} matmul ({measured / 1e9:.0f} GFLOP/s this run)"
 
 
 def _cpu_model() -> str:
@@ -80,13 +81,14 @@ def _cpu_model() -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def measure_matmul_flops(n: int = 2048, reps: int = 3) -> float:
-    """FLOP/s of the best of `reps` jitted float32 n x n matmuls (measured once per process)."""
+def measure_matmul_flops(n: int = 2048, reps: int = 3, dtype: str = "float32") -> float:
+    """FLOP/s of the best of `reps` jitted n x n matmuls with `dtype` operands, summed in float32 (measured
+    once per process and dtype)."""
     import jax
     import jax.numpy as jnp
 
-    f = jax.jit(lambda a, b: a @ b)
-    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    a = jnp.ones((n, n), jnp.dtype(dtype))
     f(a, a).block_until_ready()
     best = float("inf")
     for _ in range(reps):

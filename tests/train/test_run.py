@@ -84,3 +84,28 @@ def test_an_epochs_bounded_run_applies_its_trailing_partial_accumulation_and_sav
     assert str(summary["steps"]) in saved and not [n for n in saved if "tmp" in n]
     meta = json.loads((out / "checkpoints" / str(summary["steps"]) / "meta" / "metadata").read_text())
     assert (meta["step"], meta["micro_step"]) == (summary["steps"], micro)
+
+
+def test_bf16_matmuls_train_as_float32_does_and_a_run_may_switch_on_resume(tmp_path, data_dir, monkeypatch):
+    """--matmul-precision bfloat16 (slm/model/matmul.py) through the trainer's sharded step: the same losses
+    as float32 to bf16 rounding, recorded in config.json, and adjustable when a run is resumed."""
+    import time
+
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    common = dict(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                  seq_len=64, batch_size=8, eval_tokens=2048, log_every=1, checkpoint_every=6)
+    runs = {}
+    for precision in ("float32", "bfloat16"):
+        logs = []
+        out = tmp_path / precision
+        runs[precision] = train(Config(**common, max_steps=6, matmul_precision=precision, output_dir=str(out)),
+                                start_time=time.time(), log=logs.append)
+        assert json.load(open(out / "config.json"))["matmul_precision"] == precision
+        assert any(f"2048^3 {precision} matmul" in str(line) for line in logs)  # MFU's peak in the run's dtype
+    assert abs(runs["bfloat16"]["eval_loss"] - runs["float32"]["eval_loss"]) < 0.01
+    resumed = train(Config(**common, max_steps=8, matmul_precision="bfloat16", resume="latest",
+                           output_dir=str(tmp_path / "float32")), start_time=time.time(), log=lambda *_: None)
+    assert resumed["steps"] == 8
+    assert json.load(open(tmp_path / "float32" / "config.json"))["matmul_precision"] == "bfloat16"
