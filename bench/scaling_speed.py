@@ -52,12 +52,12 @@ def matmul_flops(n: int = 2048) -> float:
     return 2 * n**3 / (time.perf_counter() - t)
 
 
-def point(n_params: int, seq_len: int, rounds: int, window: float) -> dict:
+def point(n_params: int, seq_len: int, rounds: int, window: float, matmul: str = "float32") -> dict:
     shape = choose_shape(n_params, default_vocab_size(n_params))
     batch_size = TOKENS // seq_len
     mesh = data_mesh(batch_size)
     rep, split = shardings(mesh)
-    model, tx = Transformer(shape), make_optimizer()
+    model, tx = Transformer(shape, matmul=matmul), make_optimizer()
     state = jax.device_put(init_state(init_params(model, 0, seq_len), tx), rep)
     step = make_train_step(model, tx)
     ids = np.random.default_rng(0).integers(0, shape.vocab_size, (batch_size, seq_len + 1)).astype(np.int32)
@@ -120,11 +120,13 @@ def main() -> None:
     p.add_argument("--window", type=float, default=2.0, help="seconds per window (at least one step)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                                                   "speed_scaling.png"))
+    p.add_argument("--matmul-precision", default="float32", choices=("float32", "bfloat16"),
+                   help="the model's --matmul-precision (MFU still divides by the float32 matmul's FLOP/s)")
     a = p.parse_args()
     print(f"scaling_speed: {time.strftime('%Y-%m-%d %H:%M')}, jax {jax.__version__}, {len(jax.devices())} devices, "
-          f"{TOKENS} tokens/step, float32 AdamW", flush=True)
-    by_size = [point(int(float(n)), 128, a.rounds, a.window) for n in a.sizes.split(",")]
-    by_seq = [point(10_000_000, int(s), a.rounds, a.window) for s in a.seqs.split(",")]
+          f"{TOKENS} tokens/step, float32 AdamW, {a.matmul_precision} matmuls", flush=True)
+    by_size = [point(int(float(n)), 128, a.rounds, a.window, a.matmul_precision) for n in a.sizes.split(",")]
+    by_seq = [point(10_000_000, int(s), a.rounds, a.window, a.matmul_precision) for s in a.seqs.split(",")]
     m = statistics.median(x["mfu"] for x in by_size + by_seq)
     print(f"cost model: MFU {m:.1%} (median of all points); wrote {a.out}")
     plot(by_size, by_seq, m, a.out)

@@ -83,3 +83,9 @@ def cpu_has_bf16_dot() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_matmul_precision() -> str:
+    """--matmul-precision's default: bfloat16 where jax runs on a CPU with native bf16 products (measured 1.2-1.6x
+    faster steps there, the same losses), float32 elsewhere (accelerators have --use-mixed-precision)."""
+    return "bfloat16" if jax.default_backend() == "cpu" and cpu_has_bf16_dot() else "float32"

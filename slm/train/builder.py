@@ -63,7 +63,7 @@ class StepSpec:
         return cls(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, c.use_mixed_precision,
                    c.gradient_checkpointing, c.use_8bit_optimizer, c.weight_decay, c.grad_clip, c.sharding, c.seed,
                    doc_start, lora_spec(c), getattr(c, "base_dtype", "float32"), *optimizer_of(c),
-                   getattr(c, "matmul_precision", "float32"))
+                   getattr(c, "matmul_precision", None) or "float32")
 
 
 def optimizer_of(c: Any) -> tuple[str, float]:

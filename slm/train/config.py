@@ -91,7 +91,7 @@ class Config:
     weight_decay: float = setting(0.1, "Decoupled weight decay on matrices", IDENTITY)
     grad_clip: float = setting(1.0, "Clip gradients to this global norm (0: off)", IDENTITY)
     use_mixed_precision: bool = setting(False, "bfloat16 compute with float32 master weights", IDENTITY)
-    matmul_precision: str = setting("float32", "Operands of the matrix products (projections, MLP, head): bfloat16 rounds them to bf16 and sums in float32, forward and backward, activations unchanged; ~1.2-1.3x faster steps on CPUs with AVX512-BF16 (docs/performance.md)", ADJUSTABLE, choices=("float32", "bfloat16"))
+    matmul_precision: str | None = setting(None, "Operands of the matrix products (projections, MLP, head): bfloat16 rounds them to bf16 and sums in float32, forward and backward, activations unchanged (1.2-1.6x faster steps on CPUs with AVX512-BF16, same losses: docs/performance.md). Default: bfloat16 on such CPUs (AVX512-BF16 or AMX-BF16), else float32", ADJUSTABLE, unset="auto", choices=("float32", "bfloat16"))
     gradient_checkpointing: bool = setting(False, "Recompute each block's activations in the backward pass (less memory, ~30% more compute)", IDENTITY)
     use_8bit_optimizer: bool = setting(False, "Keep Adam's moments as 8-bit block-quantized codes: ~2 bytes/param instead of 8 (slm/optim/adam8bit.py)", IDENTITY)
     # length of the run

@@ -36,6 +36,7 @@ from slm.memory.estimate import estimate_memory_usage, fit_candidates, parse_siz
 from slm.memory.finetune import Finetune
 from slm.memory.host import available_host_mb, total_ram_gb
 from slm.memory.preflight import MemoryPlan
+from slm.model.matmul import default_matmul_precision
 from slm.model.sizing import (
     ModelShape,
     choose_shape,
@@ -335,6 +336,7 @@ def plan_step(c: Config, data: TrainData, procs: Processes, log: Log) -> tuple[A
     takes the chosen settings."""
     configure_cpu_devices(c.cpu_devices)  # before jax's backend starts: it is first imported here
     enable_compile_cache()
+    c.matmul_precision = c.matmul_precision or default_matmul_precision()
     from slm.train.builder import StepSpec, build, training_mesh
 
     budget = parse_size(c.memory_budget) / 2**20 if c.memory_budget else None

@@ -161,7 +161,7 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
     state = init_state(built, None if lora else data.init_params)
     data.init_params = None  # the state (or the base) holds them now: free the host copy
     lplan = loop_plan(c, data, env.start)
-    peak = peak_flops(mesh, procs, c.matmul_precision)
+    peak = peak_flops(mesh, procs, c.matmul_precision or "float32")
     facts, resolved = write_config(c, data, built, plan, (state, base), lplan, peak, env)
     assert sum(x.size for x in jax.tree.leaves(state.params)) == facts.trainable_params
     ckpt = Checkpointer(os.path.join(env.out, "checkpoints"), keep=c.keep_checkpoints, log=env.log)
@@ -237,7 +237,8 @@ def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state
                 f"{c.base_dtype} ({device_bytes(base) / 2**20:,.1f} MB/device)")
     env.log(f"[run] {n_dev} {device.platform} device(s){f' in {procs.count} processes' if procs.count > 1 else ''}, "
             f"batch split over them, state {'split (fsdp)' if c.sharding == 'fsdp' and n_dev > 1 else 'replicated (dp)'}: "
-            f"{device_bytes((state, base)) / 2**20:,.1f} MB/device; peak {peak[0] / 1e9:,.0f} GFLOP/s ({peak[1]}); "
+            f"{device_bytes((state, base)) / 2**20:,.1f} MB/device; {c.matmul_precision} matmul operands; "
+            f"peak {peak[0] / 1e9:,.0f} GFLOP/s ({peak[1]}); "
             f"{c.batch_size * c.seq_len * acc:,} tokens/step; eval on {data.eval_set.name}: "
             f"{int(data.eval_set.mask.sum()):,} tokens; out {env.out}")
     return facts, resolved
