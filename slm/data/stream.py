@@ -290,3 +290,6 @@ def _prefetched(gen: Iterator[Batch], depth: int) -> Iterator[Batch]:
             yield item
     finally:
         stop.set()
+        # Wait for the worker to see it (at most one item in progress plus 0.1 s) and close the source, so a
+        # run that ends, even by an error, leaves no reader behind; a stalled remote read does not hold us long.
+        thread.join(timeout=5.0)
