@@ -287,11 +287,10 @@ def test_leaving_when_the_queue_is_full_at_the_end_does_not_strand_the_thread(to
     it = iter(loader)
     next(it)
     assert produced_all.wait(timeout=30)
-    it.close()
     new = _prefetch_threads() - before
     assert len(new) == 1
+    it.close()  # joins the worker: gone when close returns, nothing left to wait for
     for t in new:
-        t.join(timeout=30)
         assert not t.is_alive(), "prefetch thread stuck queueing the end marker"
 
 
