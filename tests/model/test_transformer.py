@@ -115,3 +115,19 @@ def test_document_masking_keeps_packed_documents_apart():
     np.testing.assert_allclose(packed[:len(head)], alone_head, atol=1e-5)
     unmasked = np.asarray(plain.apply({"params": params}, row))[0]
     assert np.abs(unmasked[len(head) + len(d1) + 1:] - alone2).max() > 1e-2  # the test can fail
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_gpu_fused_attention_computes_the_same_causal_attention(kv_heads):
+    """On GPUs in bf16 the model calls jax.nn.dot_product_attention(is_causal=True) (cuDNN) instead of `attend`;
+    its XLA implementation, here on CPU, must equal `attend` under the causal mask (scale, GQA head order)."""
+    from slm.model.transformer import attend, fused_attention_fits
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 16, 4, 8), np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((2, 16, kv_heads, 8), np.float32)) for _ in range(2))
+    ours = attend(q, k, v, jnp.tril(jnp.ones((16, 16), dtype=bool)), jnp.float32)
+    fused = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(ours, fused, rtol=1e-5, atol=1e-5)
+    assert not fused_attention_fits(jnp.float32)
+    assert fused_attention_fits(jnp.bfloat16) == (jax.default_backend() == "gpu")
