@@ -53,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mfu-steps", type=int, default=80)
     p.add_argument("--mfu-log-every", type=int, default=10, help="the MFU run's --log-every (a host sync per logged step)")
     p.add_argument("--mfu-flags", default="", help="extra flags for the MFU run (quoted), e.g. '--optimizer adamw'")
+    p.add_argument("--mfu-only", action="store_true", help="skip the race against nanoGPT")
     p.add_argument("--out", default=None, help="keep the logs here")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (no compile, float32 peer)")
     return p.parse_args()
@@ -106,17 +107,8 @@ def mfu_run(a: argparse.Namespace, scratch: str) -> dict:
             "log": log}
 
 
-def main() -> None:
-    a = parse_args()
-    vs.SHARED, vs.PEER, vs.DATA = a.shared, os.path.join(a.shared, "peers", "nanoGPT"), os.path.join(a.shared, "data")
-    import jax
-    import torch
-
-    device = torch.cuda.get_device_name(0) if a.device != "cpu" else "cpu (smoke run)"
-    print(f"gpu_vs_nanogpt: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')} | {device} | "
-          f"torch {torch.__version__}, jax {jax.__version__} | shape {a.layers}x{a.d_model}, {a.heads} heads, seq "
-          f"{a.seq}, batch {a.batch}, steps {a.skip + 1}-{a.steps}", flush=True)
-    scratch = tempfile.mkdtemp(prefix="gpu-vs-nanogpt-")
+def race(a: argparse.Namespace, scratch: str) -> dict:
+    """nanoGPT, then ours, at the race's shape; prints each one's figures and the ratio."""
     peer = vs.setup_scratch(scratch)
     tok = os.path.join(scratch, "char_tokenizer.json")
     vs.char_tokenizer(tok, peer)
@@ -132,6 +124,21 @@ def main() -> None:
     ratio = res["ours"]["tok_s"] / res["nanoGPT"]["tok_s"]
     print(f"[speed] ours / nanoGPT: tokens/s {ratio:.2f}x, model FLOP/s "
           f"{res['ours']['gflops'] / res['nanoGPT']['gflops']:.2f}x", flush=True)
+    return res
+
+
+def main() -> None:
+    a = parse_args()
+    vs.SHARED, vs.PEER, vs.DATA = a.shared, os.path.join(a.shared, "peers", "nanoGPT"), os.path.join(a.shared, "data")
+    import jax
+    import torch
+
+    device = torch.cuda.get_device_name(0) if a.device != "cpu" else "cpu (smoke run)"
+    print(f"gpu_vs_nanogpt: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')} | {device} | "
+          f"torch {torch.__version__}, jax {jax.__version__} | shape {a.layers}x{a.d_model}, {a.heads} heads, seq "
+          f"{a.seq}, batch {a.batch}, steps {a.skip + 1}-{a.steps}", flush=True)
+    scratch = tempfile.mkdtemp(prefix="gpu-vs-nanogpt-")
+    res = {} if a.mfu_only else race(a, scratch)
     m = mfu_run(a, scratch)
     print(f"[mfu] ours at {m['params'] / 1e6:.1f}M params ({m['model']['n_layers']}x{m['model']['d_model']}, vocab "
           f"{m['model']['vocab_size']}), seq {a.seq}, batch {a.mfu_batch}, bf16 {a.mfu_flags}: median MFU {m['median_mfu']:.1%} "
