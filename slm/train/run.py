@@ -161,7 +161,7 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
     state = init_state(built, None if lora else data.init_params)
     data.init_params = None  # the state (or the base) holds them now: free the host copy
     lplan = loop_plan(c, data, env.start)
-    peak = peak_flops(mesh, procs, c.matmul_precision or "float32")
+    peak = peak_flops(mesh, procs, c.matmul_precision)  # resolved by plan_step
     facts, resolved = write_config(c, data, built, plan, (state, base), lplan, peak, env)
     assert sum(x.size for x in jax.tree.leaves(state.params)) == facts.trainable_params
     ckpt = Checkpointer(os.path.join(env.out, "checkpoints"), keep=c.keep_checkpoints, log=env.log)
