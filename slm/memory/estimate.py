@@ -140,12 +140,14 @@ def device_breakdown(
     finetune: Finetune | None = None,
     platform: str = "cpu",
     optimizer: str = "adamw",
+    loss_chunk: int | None = None,
 ) -> dict[str, int]:
     """Bytes per device for one replica of the train step (micro_batch = sequences on this device).
 
     "total" is the step's peak: the state and gradients plus the larger of the backward pass
     (activations + logits, and a LoRA step's base casts) and the optimizer update ("update"); the other
     keys are its parts. `finetune` with a LoRA rank: a frozen base and its adapters (slm.memory.finetune).
+    `loss_chunk`: --loss-chunk (None: its default for the vocabulary), the logits' columns held at once.
     Off CPU, remat is modelled as on an accelerator and GPU_RUNTIME_MB is added (finetune's docstring).
     """
     remat, mixed, ideal = bool(gradient_checkpointing), bool(mixed_precision), gradient_checkpointing and platform != "cpu"
@@ -153,14 +155,14 @@ def device_breakdown(
     if finetune is not None and finetune.lora_rank is not None:
         out = lora_breakdown(shape, finetune, seq_len, micro_batch, mixed_precision=mixed, gradient_checkpointing=remat,
                              use_8bit_optimizer=use_8bit_optimizer, accumulation=gradient_accumulation_steps,
-                             platform=platform)
+                             platform=platform, loss_chunk=loss_chunk)
         n = out["params"] // 4
     else:
         n = count_params(shape)
         accumulation = 4 * n + 8 if accumulating else 0
         activations, logits = backward_bytes(
             shape, micro_batch * seq_len, seq_len, astuple(COEFFICIENTS[(remat and not ideal, mixed, devices > 1)]),
-            astuple(COEFFICIENTS[(False, mixed, devices > 1)]) if ideal else None, 2 if mixed else 4)
+            astuple(COEFFICIENTS[(False, mixed, devices > 1)]) if ideal else None, 2 if mixed else 4, loss_chunk, platform)
         out = {
             "params": 4 * n,
             "gradients": 4 * n,
@@ -256,6 +258,7 @@ def fit_candidates(
     finetune: Finetune | None = None,
     base_dtypes: tuple[str, ...] = (),
     optimizer: str = "adamw",
+    loss_chunk: int | None = None,
 ) -> list[dict]:
     """Settings that keep the effective batch (batch_size x accumulation sequences) and fit the budget.
 
@@ -280,7 +283,7 @@ def fit_candidates(
             dev = device_breakdown(shape, seq_len, micro // devices, mixed_precision=mixed,
                                    gradient_checkpointing=remat, use_8bit_optimizer=eight,
                                    gradient_accumulation_steps=effective // micro, devices=devices,
-                                   finetune=ft, platform=platform, optimizer=optimizer)
+                                   finetune=ft, platform=platform, optimizer=optimizer, loss_chunk=loss_chunk)
             host = host_breakdown(shape, dev, devices, platform, data_mb, eight)["total"] * MB
             peak = host if platform == "cpu" else dev["total"]
             if peak > (1 - margin) * budget_bytes:
@@ -344,6 +347,7 @@ def estimate_memory_usage(
     lora_targets: tuple[str, ...] | list[str] = ("q_proj", "v_proj"),
     base_dtype: str = "float32",
     optimizer: str = "adamw",
+    loss_chunk: int | None = None,
 ) -> dict:
     """Memory of a run in MB: the data side always, and the whole run when a model is given.
 
@@ -367,10 +371,9 @@ def estimate_memory_usage(
     frozen base held in `base_dtype` (slm/memory/finetune.py): the breakdown gains base_params_mb and
     base_casts_mb, params/gradients/optimizer state are the adapters', and `trainable_params` and
     `model_params` are added. `platform="gpu"` adds runtime_mb (the CUDA context) to the device total.
-    `optimizer="muon"`: Muon's one momentum on the hidden matrices instead of Adam's two (slm/optim/muon.py).
-    The result is a dict that prints as a table (also in notebooks).
+    `optimizer="muon"`: Muon's one momentum on the hidden matrices instead of Adam's two (slm/optim/muon.py);
+    `loss_chunk`: --loss-chunk (None: its default with float32 products). Prints as a table, also in notebooks.
     """
-    mb = 1 / MB
     out, full, streaming_mb = data_side(num_sequences, seq_len, batch_size, shuffle_buffer_size, avg_document_chars,
                                         prefetch, chunk_chars)
     if shape is None and target_params is None and model is None:
@@ -388,16 +391,16 @@ def estimate_memory_usage(
     dev = device_breakdown(shape, seq_len, batch_size // devices, mixed_precision=mixed_precision,
                            gradient_checkpointing=gradient_checkpointing, use_8bit_optimizer=use_8bit_optimizer,
                            gradient_accumulation_steps=gradient_accumulation_steps, devices=devices,
-                           fsdp=sharding == "fsdp", finetune=finetune, platform=platform, optimizer=optimizer)
+                           fsdp=sharding == "fsdp", finetune=finetune, platform=platform, optimizer=optimizer,
+                           loss_chunk=loss_chunk)
     for k, v in dev.items():
-        out[f"{k}_mb" if k != "total" else "device_total_mb"] = round(v * mb, 3)
+        out[f"{k}_mb" if k != "total" else "device_total_mb"] = round(v / MB, 3)
     data_mb = streaming_mb if streaming else full
     host = host_breakdown(shape, dev, devices, platform, data_mb, use_8bit_optimizer)
     out["data_pipeline_mb"] = round(data_mb, 3)
-    out["framework_mb"] = round(host["runtime"], 3)
-    out["step_slack_mb"] = host["step_slack"]
-    out["checkpoint_staging_mb"] = round(host["checkpoint_staging"], 3)
-    out["host_rss_mb"] = round(host["total"], 3)
+    for key, k in (("framework_mb", "runtime"), ("step_slack_mb", "step_slack"),
+                   ("checkpoint_staging_mb", "checkpoint_staging"), ("host_rss_mb", "total")):
+        out[key] = round(host[k], 3)
     return out
 
 
@@ -442,6 +445,7 @@ def fit_to_budget(
     platform: str = "gpu",
     devices: int = 1,
     margin: float = 0.10,
+    loss_chunk: int | None = None,
 ) -> MemoryEstimate:
     """--auto-fit from a notebook, before any download: the setting that is cheapest in compute, keeps the
     effective batch (batch_size x gradient_accumulation_steps sequences of seq_len) and is predicted to fit
@@ -450,7 +454,8 @@ def fit_to_budget(
     It ranks what fit_candidates ranks for the trainer's --auto-fit (micro-batch x accumulation, remat,
     8-bit state, mixed precision; the settings given here win when they fit), and for LoRA the base dtype
     too, but only among `base_dtype` and the `allow_base_dtypes` you name. The model is `model` (a
-    config.json, its folder or dict: fine-tuning, LoRA with `lora_rank`) or `target_params`. Returns the
+    config.json, its folder or dict: fine-tuning, LoRA with `lora_rank`) or `target_params`; `loss_chunk` as
+    estimate_memory_usage's. Returns the
     chosen settings, "budget_mb", "candidates" (how many fit) and the choice's estimate_memory_usage
     figures; raises ConfigError when nothing fits. The trainer's --auto-fit then confirms by compiling.
     """
@@ -461,7 +466,7 @@ def fit_to_budget(
     found = fit_candidates(shape, seq_len, batch_size, gradient_accumulation_steps, budget_bytes, max_devices=devices,
                            platform=platform, data_mb=estimate_memory_usage(0, seq_len, batch_size)["streaming_mb"],
                            margin=margin, user=(use_8bit_optimizer, mixed_precision, gradient_checkpointing),
-                           finetune=finetune, base_dtypes=tuple(allow_base_dtypes))
+                           finetune=finetune, base_dtypes=tuple(allow_base_dtypes), loss_chunk=loss_chunk)
     if not found:
         raise ConfigError(f"nothing fits {budget} with a {margin:.0%} margin at seq_len {seq_len} for "
                           f"{count_params(shape):,} parameters, even at micro-batch 1 with remat and 8-bit state; "
@@ -472,7 +477,8 @@ def fit_to_budget(
         shape=shape, lora_rank=lora_rank, lora_targets=tuple(lora_targets),
         base_dtype=best.get("base_dtype", base_dtype), mixed_precision=best["use_mixed_precision"],
         use_8bit_optimizer=best["use_8bit_optimizer"], gradient_accumulation_steps=best["gradient_accumulation_steps"],
-        gradient_checkpointing=best["gradient_checkpointing"], devices=best["devices"], platform=platform)
+        gradient_checkpointing=best["gradient_checkpointing"], devices=best["devices"], platform=platform,
+        loss_chunk=loss_chunk)
     chosen = {k: v for k, v in best.items() if k != "cost"}
     return MemoryEstimate({**chosen, "budget_mb": round(budget_bytes / MB, 3), "candidates": len(found),
                            **{k: v for k, v in est.items() if k not in DATA_KEYS}})

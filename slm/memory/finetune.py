@@ -44,10 +44,12 @@ from slm.model.sizing import (
     ModelShape,
     adam_state_bytes,
     count_params,
+    logit_columns,
     lora_param_shapes,
 )
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CHUNKED_BYTES_PER_D = 64  # --loss-chunk's loop beyond its chunk of logits, per token (backward_bytes)
 
 # Outside XLA's buffers on a GPU: the CUDA context (driver and lazily loaded kernels, ~300-400 MB since
 # CUDA 11.7's lazy loading and over 1 GB before it: pytorch/pytorch#107667, #20532), cuBLAS/cuDNN handles
@@ -120,13 +122,20 @@ def matmul_weights(shape: ModelShape) -> tuple[int, int]:
     return D * qkv + q * D + 3 * D * F, shape.vocab_size * D
 
 
-def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, remat: bool, platform: str) -> int:
-    """Bytes of compute-dtype copies of base weights the step holds at its peak (module docstring)."""
+def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, remat: bool, platform: str,
+                    chunked_loss: bool = False) -> int:
+    """Bytes of compute-dtype copies of base weights the step holds at its peak (module docstring). A chunked
+    loss (--loss-chunk) casts the head a chunk at a time, but on CPU slices a 16-bit head as its bit pattern, a
+    copy of the whole head (slm.model.loss._slice_rows)."""
     block, head = matmul_weights(shape)
     if platform == "cpu":
-        cast = base_dtype != "float32" or mixed_precision
+        if not (base_dtype != "float32" or mixed_precision):
+            return 0
+        if chunked_loss:
+            return int(CAST_CPU * 4 * shape.n_layers * block) + (2 * head if base_dtype != "float32" else 0)
         head_rounding = 2 * head if mixed_precision and base_dtype != "bfloat16" else 0
-        return int(CAST_CPU * 4 * (shape.n_layers * block + head)) + head_rounding if cast else 0
+        return int(CAST_CPU * 4 * (shape.n_layers * block + head)) + head_rounding
+    head = 0 if chunked_loss else head
     compute = "bfloat16" if mixed_precision else "float32"
     if base_dtype == compute:
         return 0
@@ -134,22 +143,28 @@ def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, r
 
 
 def backward_bytes(shape: ModelShape, tokens: int, seq_len: int, coefficients: tuple[float, ...],
-                   layer_coefficients: tuple[float, ...] | None = None, compute_bytes: int = 4) -> tuple[int, int]:
+                   layer_coefficients: tuple[float, ...] | None = None, compute_bytes: int = 4,
+                   loss_chunk: int | None = None, platform: str = "cpu") -> tuple[int, int]:
     """(activations, logits) for `tokens` tokens: L layers at `coefficients` (a, b, c, e), or with
-    `layer_coefficients` an accelerator's remat: each block's input kept, one block recomputed at a time."""
-    L, D, F, H, V = shape.n_layers, shape.d_model, shape.d_ff, shape.n_heads, shape.vocab_size
+    `layer_coefficients` an accelerator's remat: each block's input kept, one block recomputed at a time.
+    The logits are those of `loss_chunk` vocabulary entries at a time (slm.model.sizing.logit_columns)."""
+    L, D, F, H = shape.n_layers, shape.d_model, shape.d_ff, shape.n_heads
+    V = logit_columns(shape.vocab_size, loss_chunk, platform)
     a, b, c, e = coefficients
+    # Chunked, XLA:CPU keeps ~64 bytes per token per unit of D beyond the chunk's logits (the loop's float32
+    # dx carry and its operands): fitted to 5 shapes, 1M-30M params, vocab 2,048-32,000 (docs/memory.md).
+    logits = tokens * (V * e + (CHUNKED_BYTES_PER_D * D if V < shape.vocab_size else 0))
     per_layer = a * D + b * F + c * H * seq_len
     if layer_coefficients is not None:
         a1, b1, c1, _ = layer_coefficients
         per_token = (L - 1) * D * compute_bytes + a1 * D + b1 * F + c1 * H * seq_len
-        return int(tokens * per_token), int(tokens * V * e)
-    return int(tokens * L * per_layer), int(tokens * V * e)
+        return int(tokens * per_token), int(logits)
+    return int(tokens * L * per_layer), int(logits)
 
 
 def lora_breakdown(shape: ModelShape, ft: Finetune, seq_len: int, micro_batch: int, *, mixed_precision: bool,
                    gradient_checkpointing: bool, use_8bit_optimizer: bool, accumulation: int,
-                   platform: str) -> dict[str, int]:
+                   platform: str, loss_chunk: int | None = None) -> dict[str, int]:
     """The LoRA step's parts per device, bytes (module docstring), all but the update phase."""
     shapes = lora_param_shapes(shape, ft.lora_rank, ft.lora_targets)
     n = sum(math.prod(s) for s in shapes)
@@ -158,14 +173,16 @@ def lora_breakdown(shape: ModelShape, ft: Finetune, seq_len: int, micro_batch: i
     ideal = remat and platform != "cpu"
     activations, logits = backward_bytes(
         shape, micro_batch * seq_len, seq_len, LORA_COEFFICIENTS[(remat and not ideal, bool(mixed_precision))],
-        LORA_COEFFICIENTS[(False, bool(mixed_precision))] if ideal else None, 2 if mixed_precision else 4)
+        LORA_COEFFICIENTS[(False, bool(mixed_precision))] if ideal else None, 2 if mixed_precision else 4, loss_chunk,
+        platform)
     return {
         "base_params": count_params(shape) * DTYPE_BYTES[ft.base_dtype],
         "params": 4 * n,
         "gradients": 4 * n,
         "optimizer_state": adam_state_bytes(shapes, use_8bit_optimizer, accumulation) - acc,
         "accumulation": acc,
-        "base_casts": base_cast_bytes(shape, ft.base_dtype, mixed_precision, remat, platform),
+        "base_casts": base_cast_bytes(shape, ft.base_dtype, mixed_precision, remat, platform,
+                                      logit_columns(shape.vocab_size, loss_chunk, platform) < shape.vocab_size),
         "activations": activations,
         "logits": logits,
     }

@@ -283,3 +283,23 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[st
     """Trainable parameters of rank-`rank` LoRA adapters on the named projections (Hugging Face module
     names) of every layer: r * (in + out) per adapted matrix, as PEFT counts them."""
     return sum(math.prod(s) for s in lora_param_shapes(shape, rank, targets))
+
+
+def default_loss_chunk(vocab_size: int, platform: str = "cpu", matmul: str = "float32") -> int:
+    """--loss-chunk's default (slm.model.loss), from train steps on a 2-core AVX512-BF16 CPU (docs/performance.md):
+    with bf16 products, chunks of 512 ran 1.0-1.5x faster than the whole logits at vocabularies 2,048-8,192; with
+    float32 products 0.94-0.98x there but 1.37x at 32,000, so float32 keeps the whole logits up to 8,192. An
+    accelerator (not measured) takes chunks of 8,192 above that: a loop of fewer, larger products, still a
+    fraction of a big vocabulary's logits (Qwen2.5's 151,936)."""
+    if platform != "cpu":
+        return 8192 if vocab_size > 8192 else 0
+    if matmul == "bfloat16":
+        return 512 if vocab_size > 512 else 0
+    return 512 if vocab_size > 8192 else 0
+
+
+def logit_columns(vocab_size: int, loss_chunk: int | None, platform: str = "cpu") -> int:
+    """The logits' columns a step holds at once: the chunk, or the whole vocabulary (0 or >= V). None: the
+    default with float32 products, the larger where the default differs (an estimate errs high)."""
+    chunk = default_loss_chunk(vocab_size, platform) if loss_chunk is None else loss_chunk
+    return min(chunk, vocab_size) if chunk > 0 else vocab_size

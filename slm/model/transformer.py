@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from slm.model.lora import LoraSpec, adapted
+from slm.model.loss import chunked_token_nll
 from slm.model.matmul import bf16_dot_general, bf16_linear_rows
 from slm.model.sizing import ModelShape
 
@@ -222,9 +223,11 @@ class Transformer(nn.Module):
     doc_start: int | None = None  # document masking: the token each packed document begins at (None: off)
     lora: LoraSpec | None = None  # adapters on a frozen base (slm.model.lora)
     matmul: str = "float32"  # "bfloat16": the projections and head in bf16 products, f32 sums (slm.model.matmul)
+    loss_chunk: int = 0  # token_nll's vocabulary chunk (slm.model.loss); 0 or >= V: the full logits
 
     @nn.compact
-    def __call__(self, ids_BxL: jax.Array) -> jax.Array:
+    def __call__(self, ids_BxL: jax.Array, features: bool = False) -> Any:
+        """Logits (B, L, V), or with `features` the final normed hidden state (B, L, D) and the head (V, D)."""
         embed_VxD = self.param(
             "embed", nn.initializers.normal(0.02), (self.shape.vocab_size, self.shape.d_model), jnp.float32
         )
@@ -235,6 +238,8 @@ class Transformer(nn.Module):
             x_BxLxD = block_cls(self.shape, self.dtype, self.lora, self.matmul, name=f"block_{i}")(x_BxLxD, layout)
         x_BxLxD = RMSNorm(self.shape.norm_eps, name="final_norm")(x_BxLxD)
         head_VxD = head_weights(self, embed_VxD)
+        if features:
+            return x_BxLxD, head_VxD
         if self.matmul == "bfloat16":
             return bf16_linear_rows(x_BxLxD, head_VxD, jnp.float32)
         return jnp.einsum("bld,vd->blv", x_BxLxD, head_VxD.astype(self.dtype), preferred_element_type=jnp.float32)
@@ -258,6 +263,10 @@ def token_nll(model: Transformer, params: Any, ids_BxL: jax.Array, targets_BxL: 
     """Per-token negative log-likelihood in nats, float32, shape (B, L); 0 where the target is negative
     (instruction data: not a response token). `dropout_rng` turns LoRA dropout on (training)."""
     rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+    if 0 < model.loss_chunk < model.shape.vocab_size:
+        x_BxLxD, head_VxD = model.apply({"params": params}, ids_BxL, features=True, rngs=rngs)
+        bf16 = model.matmul == "bfloat16" or jnp.dtype(model.dtype) == jnp.bfloat16
+        return chunked_token_nll(x_BxLxD, head_VxD, targets_BxL, model.loss_chunk, jnp.bfloat16 if bf16 else jnp.float32)
     logits_BxLxV = model.apply({"params": params}, ids_BxL, rngs=rngs)
     logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
     keep_BxL = targets_BxL >= 0

@@ -26,7 +26,7 @@ from slm.errors import RunError, TokenizerError, first_line
 from slm.io.checkpoints import Checkpointer
 from slm.memory.host import MB
 from slm.model.lora import LoraSpec, split
-from slm.model.sizing import ModelShape
+from slm.model.sizing import ModelShape, default_loss_chunk
 from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
 from slm.train.config import BEFORE_THE_SETTING
@@ -56,6 +56,7 @@ class StepSpec:
     optimizer: str = "adamw"  # or "muon" (slm.optim.muon)
     muon_lr_ratio: float = 1.0  # Muon's peak learning rate / AdamW's
     matmul: str = "float32"  # the matrix products' operand dtype (slm.model.matmul)
+    loss_chunk: int | None = None  # the loss's vocabulary chunk (slm.model.loss); 0: the whole logits; None: default
 
     @classmethod
     def from_config(cls, c: Any, shape: ModelShape, doc_start: int | None = None) -> StepSpec:
@@ -63,7 +64,7 @@ class StepSpec:
         return cls(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, c.use_mixed_precision,
                    c.gradient_checkpointing, c.use_8bit_optimizer, c.weight_decay, c.grad_clip, c.sharding, c.seed,
                    doc_start, lora_spec(c), getattr(c, "base_dtype", "float32"), *optimizer_of(c),
-                   getattr(c, "matmul_precision", None) or "float32")
+                   getattr(c, "matmul_precision", None) or "float32", getattr(c, "loss_chunk", None))
 
 
 def optimizer_of(c: Any) -> tuple[str, float]:
@@ -103,7 +104,9 @@ def model_and_optimizer(spec: StepSpec, mesh: Any = None) -> tuple[Transformer, 
     """The Flax model, the optax transformation and the state's shapes (jax.eval_shape: nothing allocated).
     `mesh`: where the state is replicated (dp), so Muon can share its Newton-Schulz work over the devices."""
     model = Transformer(spec.shape, dtype=jnp.bfloat16 if spec.mixed_precision else jnp.float32, remat=spec.remat,
-                        doc_start=spec.doc_start, lora=spec.lora, matmul=spec.matmul)
+                        doc_start=spec.doc_start, lora=spec.lora, matmul=spec.matmul,
+                        loss_chunk=default_loss_chunk(spec.shape.vocab_size, jax.default_backend(), spec.matmul)
+                        if spec.loss_chunk is None else spec.loss_chunk)
     tx = make_optimizer(spec.weight_decay, spec.grad_clip, spec.accumulation, use_8bit=spec.use_8bit,
                         optimizer=spec.optimizer, muon_lr_ratio=spec.muon_lr_ratio, muon_mesh=mesh)
     return model, tx, jax.eval_shape(lambda: fresh_state(trainable_init(model, spec), tx))

@@ -92,6 +92,7 @@ class Config:
     grad_clip: float = setting(1.0, "Clip gradients to this global norm (0: off)", IDENTITY)
     use_mixed_precision: bool = setting(False, "bfloat16 compute with float32 master weights", IDENTITY)
     matmul_precision: str | None = setting(None, "Operands of the matrix products (projections, MLP, head): bfloat16 rounds them to bf16 and sums in float32, forward and backward, activations unchanged (1.2-1.6x faster steps on CPUs with AVX512-BF16, same losses: docs/performance.md). Default: bfloat16 on such CPUs (AVX512-BF16 or AMX-BF16), else float32", ADJUSTABLE, unset="auto", choices=("float32", "bfloat16"))
+    loss_chunk: int | None = setting(None, "The loss over the vocabulary this many entries at a time, never the whole (batch, seq, vocab) logits (0: the whole logits; same loss, more compute: slm/model/loss.py). Default on CPU: 512 with bf16 products (1.0-1.5x faster steps measured), else 512 above a vocabulary of 8192; on accelerators 8192 above 8192 (Mistral, Qwen2.5: GBs less memory)", ADJUSTABLE, "vocabulary entries", unset="auto")
     gradient_checkpointing: bool = setting(False, "Recompute each block's activations in the backward pass (less memory, ~30% more compute)", IDENTITY)
     use_8bit_optimizer: bool = setting(False, "Keep Adam's moments as 8-bit block-quantized codes: ~2 bytes/param instead of 8 (slm/optim/adam8bit.py)", IDENTITY)
     # length of the run
@@ -194,13 +195,13 @@ def apply_preset(c: Config, name: str, explicit: set[str] | None = None) -> list
 
 # What a run saved before a setting existed used (its config.json lacks the key): a default that changed later
 # must not change how such a run resumes or loads.
-BEFORE_THE_SETTING = {"optimizer": "adamw", "schedule": "cosine", "matmul_precision": "float32"}
+BEFORE_THE_SETTING = {"optimizer": "adamw", "schedule": "cosine", "matmul_precision": "float32", "loss_chunk": 0}
 
 POSITIVE = ("checkpoint_minutes", "keep_checkpoints", "memory_alert_mb", "batch_size", "gradient_accumulation_steps",
             "target_params", "epochs", "eval_every", "eval_tokens", "log_every", "checkpoint_every",
             "max_time", "learning_rate", "muon_learning_rate", "vocab_size", "n_layers", "d_model", "n_heads", "max_examples",
             "cpu_devices", "num_processes")
-NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "shuffle_buffer_size", "skip_nonfinite")
+NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "shuffle_buffer_size", "skip_nonfinite", "loss_chunk")
 
 
 def validate(c: Config) -> None:
@@ -210,7 +211,7 @@ def validate(c: Config) -> None:
         if v is not None and not v > 0:
             raise ConfigError(f"{flag_name(name)} {v}: must be positive")
     for name in NON_NEGATIVE:
-        if getattr(c, name) < 0:
+        if (getattr(c, name) or 0) < 0:
             raise ConfigError(f"{flag_name(name)} {getattr(c, name)}: must be >= 0")
     if c.seq_len < 2:
         raise ConfigError(f"--seq-len {c.seq_len}: must be at least 2")

@@ -42,6 +42,7 @@ from slm.model.sizing import (
     choose_shape,
     count_params,
     default_learning_rate,
+    default_loss_chunk,
     default_vocab_size,
 )
 from slm.train.config import (
@@ -320,7 +321,7 @@ def fit_choices(c: Config, data: TrainData, procs: Processes) -> list[dict]:
                               min(budget, int(limit * 2**20)) if limit else budget, max_devices=len(jax.devices()),
                               platform=platform, data_mb=data.data_mb,
                               user=(c.use_8bit_optimizer, c.use_mixed_precision, c.gradient_checkpointing),
-                              finetune=finetune_of(c), optimizer=c.optimizer)
+                              finetune=finetune_of(c), optimizer=c.optimizer, loss_chunk=c.loss_chunk)
 
     choices = procs.decide0(candidates)
     if not choices:
@@ -337,6 +338,10 @@ def plan_step(c: Config, data: TrainData, procs: Processes, log: Log) -> tuple[A
     configure_cpu_devices(c.cpu_devices)  # before jax's backend starts: it is first imported here
     enable_compile_cache()
     c.matmul_precision = c.matmul_precision or default_matmul_precision()
+    if c.loss_chunk is None:
+        import jax
+
+        c.loss_chunk = default_loss_chunk(data.shape.vocab_size, jax.default_backend(), c.matmul_precision)
     from slm.train.builder import StepSpec, build, training_mesh
 
     budget = parse_size(c.memory_budget) / 2**20 if c.memory_budget else None
@@ -384,7 +389,8 @@ def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None)
                                 mixed_precision=c.use_mixed_precision, use_8bit_optimizer=c.use_8bit_optimizer,
                                 gradient_accumulation_steps=c.gradient_accumulation_steps,
                                 gradient_checkpointing=c.gradient_checkpointing, streaming=c.use_streaming,
-                                devices=n_dev, platform=platform, sharding=c.sharding, optimizer=c.optimizer, **lora)
+                                devices=n_dev, platform=platform, sharding=c.sharding, optimizer=c.optimizer,
+                                loss_chunk=c.loss_chunk, **lora)
     est["data_pipeline_mb"] = round(data.data_mb, 3)
     if platform == "cpu":
         limit = available_host_mb()

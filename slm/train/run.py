@@ -235,9 +235,12 @@ def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state
         env.log(f"[lora] rank {c.lora_rank} on {c.lora_targets}, alpha {c.lora_alpha:g}, dropout {c.lora_dropout:g}: "
                 f"{trainable:,} trainable of {n_params:,} params ({trainable / n_params:.3%}); base frozen in "
                 f"{c.base_dtype} ({device_bytes(base) / 2**20:,.1f} MB/device)")
+    chunked = 0 < (c.loss_chunk or 0) < data.shape.vocab_size
+    loss_form = f"loss over {c.loss_chunk}-entry vocabulary chunks" if chunked else "loss over the whole logits"
     env.log(f"[run] {n_dev} {device.platform} device(s){f' in {procs.count} processes' if procs.count > 1 else ''}, "
             f"batch split over them, state {'split (fsdp)' if c.sharding == 'fsdp' and n_dev > 1 else 'replicated (dp)'}: "
             f"{device_bytes((state, base)) / 2**20:,.1f} MB/device; {c.matmul_precision} matmul operands; "
+            f"{loss_form}; "
             f"peak {peak[0] / 1e9:,.0f} GFLOP/s ({peak[1]}); "
             f"{c.batch_size * c.seq_len * acc:,} tokens/step; eval on {data.eval_set.name}: "
             f"{int(data.eval_set.mask.sum()):,} tokens; out {env.out}")

@@ -1,0 +1,125 @@
+"""Cross-entropy over vocabulary chunks: the per-token loss and its gradient without the (B, L, V) logits
+(--loss-chunk). What it is for: a fine-tune of a big-vocabulary model (Qwen2.5: V = 151,936) holds
+B*L*V float32 logits plus their softmax and gradient, 3.7 GB at batch 1 x seq 2,048, more than the
+model's own activations; here the step holds B*L*C of them (C = the chunk) at a time.
+
+Forward: a scan over the head's rows C at a time, an online log-sum-exp (running max and sum) and the
+target's logit picked out of the chunk that holds it. Backward: the same scan recomputes each chunk's logits
+(one more x.head^T product: 2*B*L*V*D FLOPs, a third more than the head's forward and backward), turns
+them into softmax - onehot and adds its products into dx (carried, B*L*D) and dhead (the chunk's own rows).
+Chunking the vocabulary rather than the tokens keeps the batch axis whole in every chunk, so a batch split
+over devices (data parallel) stays split and dhead is summed over devices once, like any gradient.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Dtype = Any
+
+
+def _contract(a: jax.Array, a_axes: tuple[int, ...], b: jax.Array, b_axes: tuple[int, ...]) -> jax.Array:
+    return lax.dot_general(a, b, ((a_axes, b_axes), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _chunk_logits(x_BxLxD: jax.Array, head_VxD: jax.Array, i: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Chunk i's float32 logits (B, L, C), the row its slice of the head starts at, and the slice (C, D) in x's
+    dtype (cast a chunk at a time: no copy of the whole head in the products' dtype).
+
+    Entries i*C .. i*C+C-1; the last chunk's slice is moved back to end at V (no padded copy of the head), and
+    its columns below i*C, which the chunk before it counted, are -inf."""
+    V = head_VxD.shape[0]
+    start = jnp.minimum(i * chunk, V - chunk)
+    h_CxD = _slice_rows(head_VxD, start, chunk).astype(x_BxLxD.dtype)
+    logits = _contract(x_BxLxD, (2,), h_CxD, (1,))
+    return jnp.where(start + jnp.arange(chunk) >= i * chunk, logits, -jnp.inf), start, h_CxD
+
+
+def _slice_rows(a_VxD: jax.Array, start: jax.Array, rows: int) -> jax.Array:
+    """Rows start..start+rows of a. A 16-bit float array is sliced as its bit pattern: XLA:CPU does not slice
+    bf16 natively and would otherwise keep a float32 copy of the whole head for the loop (4*V*D bytes; the
+    pattern costs a 2*V*D copy on CPU)."""
+    if a_VxD.dtype not in (jnp.bfloat16, jnp.float16):
+        return lax.dynamic_slice_in_dim(a_VxD, start, rows)
+    bits = lax.dynamic_slice_in_dim(lax.bitcast_convert_type(a_VxD, jnp.uint16), start, rows)
+    return lax.bitcast_convert_type(bits, a_VxD.dtype)
+
+
+def _hits(targets_BxL: jax.Array, start: jax.Array, i: jax.Array, chunk: int) -> jax.Array:
+    """(B, L, C): where chunk i's column is the token's target (never for targets < 0, nor in the columns the
+    chunk before counted)."""
+    col_C = start + jnp.arange(chunk)
+    return (targets_BxL[..., None] == col_C) & (col_C >= i * chunk)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _nll(x_BxLxD: jax.Array, head_VxD: jax.Array, targets_BxL: jax.Array, chunk: int, dtype: Dtype) -> jax.Array:
+    return _forward(x_BxLxD.astype(dtype), head_VxD, targets_BxL, chunk)[0]
+
+
+def _forward(x_BxLxD: jax.Array, head_VxD: jax.Array, targets_BxL: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """(per-token NLL, log-partition), both (B, L) float32: one pass over the chunks, online log-sum-exp."""
+
+    def body(carry, i):
+        m_BxL, s_BxL, tgt_BxL = carry
+        logits, start, _ = _chunk_logits(x_BxLxD, head_VxD, i, chunk)
+        m_new = jnp.maximum(m_BxL, jnp.max(logits, axis=-1))
+        s_BxL = s_BxL * jnp.exp(m_BxL - m_new) + jnp.sum(jnp.exp(logits - m_new[..., None]), axis=-1)
+        tgt_BxL = tgt_BxL + jnp.sum(jnp.where(_hits(targets_BxL, start, i, chunk), logits, 0.0), axis=-1)
+        return (m_new, s_BxL, tgt_BxL), None
+
+    zeros = jnp.zeros(targets_BxL.shape, jnp.float32)
+    n = -(-head_VxD.shape[0] // chunk)
+    (m, s, tgt), _ = lax.scan(body, (zeros - jnp.inf, zeros, zeros), jnp.arange(n))
+    logz_BxL = m + jnp.log(s)
+    return jnp.where(targets_BxL >= 0, logz_BxL - tgt, 0.0), logz_BxL
+
+
+def _nll_fwd(x, head, targets, chunk, dtype):
+    """symbolic_zeros: each input comes with `perturbed`; a head that takes no gradient (LoRA's frozen base)
+    gets none computed, which also frees the backward pass of a (V, D) accumulator."""
+    xc = x.value.astype(dtype)
+    nll, logz_BxL = _forward(xc, head.value, targets.value, chunk)
+    # x's dtype rides along as an empty array (residuals are arrays); a static flag: the head's gradient.
+    return nll, (xc, head.value, targets.value, logz_BxL, jnp.zeros((0,), x.value.dtype), head.perturbed)
+
+
+def _nll_bwd(chunk, dtype, res, g_BxL):
+    xc, head_VxD, targets_BxL, logz_BxL, x_tag, head_grad = res
+    g_BxL = jnp.where(targets_BxL >= 0, g_BxL, 0.0).astype(jnp.float32)
+
+    def body(carry, i):
+        dx_BxLxD, dh_VxD = carry
+        logits, start, h_CxD = _chunk_logits(xc, head_VxD, i, chunk)
+        p = jnp.exp(logits - logz_BxL[..., None])  # 0 in the columns the chunk before counted
+        d_BxLxC = ((p - _hits(targets_BxL, start, i, chunk)) * g_BxL[..., None]).astype(dtype)
+        d_BxLxC = jnp.where(start + jnp.arange(chunk) >= i * chunk, d_BxLxC, 0)
+        dx_BxLxD = dx_BxLxD + _contract(d_BxLxC, (2,), h_CxD, (0,))
+        if dh_VxD is not None:  # each row belongs to one chunk: added once, to zeros
+            dh_CxD = _contract(d_BxLxC, (0, 1), xc, (0, 1)).astype(dh_VxD.dtype)
+            dh_VxD = lax.dynamic_update_slice_in_dim(
+                dh_VxD, lax.dynamic_slice_in_dim(dh_VxD, start, chunk) + dh_CxD, start, 0)
+        return (dx_BxLxD, dh_VxD), None
+
+    dh = jnp.zeros(head_VxD.shape, head_VxD.dtype) if head_grad else None
+    n = -(-head_VxD.shape[0] // chunk)
+    (dx, dh), _ = lax.scan(body, (jnp.zeros(xc.shape, jnp.float32), dh), jnp.arange(n))
+    return dx.astype(x_tag.dtype), dh, None
+
+
+_nll.defvjp(_nll_fwd, _nll_bwd, symbolic_zeros=True)
+
+
+def chunked_token_nll(x_BxLxD: jax.Array, head_VxD: jax.Array, targets_BxL: jax.Array, chunk: int,
+                      dtype: Dtype = None) -> jax.Array:
+    """Per-token NLL (B, L) in nats, float32, of logits x.head^T, `chunk` vocabulary entries at a time; 0 where
+    the target is negative. The products take operands in `dtype` (default x's) and sum in float32, as the
+    full head does; log-sum-exp, softmax and the loss are float32."""
+    chunk = min(int(chunk), head_VxD.shape[0])
+    return _nll(x_BxLxD, head_VxD, targets_BxL, chunk, jnp.dtype(dtype or x_BxLxD.dtype))
+
