@@ -34,7 +34,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from slm.model.sizing import choose_shape, count_params, default_vocab_size, flops_per_token  # noqa: E402
+from slm.model.sizing import (  # noqa: E402
+    choose_shape,
+    count_params,
+    default_loss_chunk,
+    default_vocab_size,
+    flops_per_token,
+)
 from slm.model.transformer import Transformer, init_params  # noqa: E402
 from slm.optim.optimizer import make_optimizer  # noqa: E402
 from slm.train.devices import data_mesh, shardings  # noqa: E402
@@ -52,12 +58,14 @@ def matmul_flops(n: int = 2048) -> float:
     return 2 * n**3 / (time.perf_counter() - t)
 
 
-def point(n_params: int, seq_len: int, rounds: int, window: float, matmul: str = "float32") -> dict:
+def point(n_params: int, seq_len: int, rounds: int, window: float, matmul: str = "float32",
+          loss_chunk: int | None = None) -> dict:
     shape = choose_shape(n_params, default_vocab_size(n_params))
+    chunk = default_loss_chunk(shape.vocab_size, "cpu", matmul) if loss_chunk is None else loss_chunk
     batch_size = TOKENS // seq_len
     mesh = data_mesh(batch_size)
     rep, split = shardings(mesh)
-    model, tx = Transformer(shape, matmul=matmul), make_optimizer()
+    model, tx = Transformer(shape, matmul=matmul, loss_chunk=chunk), make_optimizer()
     state = jax.device_put(init_state(init_params(model, 0, seq_len), tx), rep)
     step = make_train_step(model, tx)
     ids = np.random.default_rng(0).integers(0, shape.vocab_size, (batch_size, seq_len + 1)).astype(np.int32)
@@ -79,14 +87,14 @@ def point(n_params: int, seq_len: int, rounds: int, window: float, matmul: str =
     fpt = flops_per_token(shape, seq_len)
     out = {"params": count_params(shape), "seq": seq_len, "step_s": step_s, "tok_s": TOKENS / step_s,
            "flops_per_token": fpt, "model_flops": TOKENS * fpt / step_s, "peak": peak,
-           "mfu": TOKENS * fpt / step_s / peak, "shape": f"{shape.n_layers}x{shape.d_model} V{shape.vocab_size}"}
+           "mfu": TOKENS * fpt / step_s / peak, "shape": f"{shape.n_layers}x{shape.d_model} V{shape.vocab_size} C{chunk}"}
     print(f"  {out['params'] / 1e6:7.2f}M ({out['shape']}) seq {seq_len:5d}: step {step_s * 1e3:8.1f} ms "
           f"(min-max {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}), {out['tok_s']:8,.0f} tok/s, "
           f"{out['model_flops'] / 1e9:6.1f} GFLOP/s, MFU {out['mfu']:.1%} of {peak / 1e9:.0f}", flush=True)
     return out
 
 
-def plot(by_size: list[dict], by_seq: list[dict], m: float, path: str) -> None:
+def plot(by_size: list[dict], by_seq: list[dict], m: float, path: str, what: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,8 +114,8 @@ def plot(by_size: list[dict], by_seq: list[dict], m: float, path: str) -> None:
                         fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"train step, float32, 2 host devices; {time.strftime('%Y-%m-%d')}, bench/scaling_speed.py "
-                 "(labels: median step time)", fontsize=9)
+    fig.suptitle(f"train step, {what}, 2 host devices; {time.strftime('%Y-%m-%d')}, bench/scaling_speed.py "
+                 "(labels: median step time; MFU of the float32 matmul peak)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -122,14 +130,17 @@ def main() -> None:
                                                   "speed_scaling.png"))
     p.add_argument("--matmul-precision", default="float32", choices=("float32", "bfloat16"),
                    help="the model's --matmul-precision (MFU still divides by the float32 matmul's FLOP/s)")
+    p.add_argument("--loss-chunk", type=int, default=None, help="the model's --loss-chunk (default: the trainer's)")
     a = p.parse_args()
     print(f"scaling_speed: {time.strftime('%Y-%m-%d %H:%M')}, jax {jax.__version__}, {len(jax.devices())} devices, "
-          f"{TOKENS} tokens/step, float32 AdamW, {a.matmul_precision} matmuls", flush=True)
-    by_size = [point(int(float(n)), 128, a.rounds, a.window, a.matmul_precision) for n in a.sizes.split(",")]
-    by_seq = [point(10_000_000, int(s), a.rounds, a.window, a.matmul_precision) for s in a.seqs.split(",")]
+          f"{TOKENS} tokens/step, float32 AdamW, {a.matmul_precision} matmuls, loss chunk "
+          f"{'default' if a.loss_chunk is None else a.loss_chunk}", flush=True)
+    by_size = [point(int(float(n)), 128, a.rounds, a.window, a.matmul_precision, a.loss_chunk) for n in a.sizes.split(",")]
+    by_seq = [point(10_000_000, int(s), a.rounds, a.window, a.matmul_precision, a.loss_chunk) for s in a.seqs.split(",")]
     m = statistics.median(x["mfu"] for x in by_size + by_seq)
     print(f"cost model: MFU {m:.1%} (median of all points); wrote {a.out}")
-    plot(by_size, by_seq, m, a.out)
+    what = f"{a.matmul_precision} products, loss chunk {'default' if a.loss_chunk is None else a.loss_chunk}"
+    plot(by_size, by_seq, m, a.out, what)
 
 
 if __name__ == "__main__":
