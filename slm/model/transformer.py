@@ -199,18 +199,27 @@ class SwiGLU(nn.Module):
         return adapted(self, self.lora, dense(self.shape.d_model, "down", self.dtype, out_std, matmul=self.matmul)(h_BxLxF), h_BxLxF, "down")
 
 
+def dropout(module: nn.Module, rate: float, x: jax.Array) -> jax.Array:
+    """Dropout in training only: when the caller gives a "dropout" rng stream (token_nll's dropout_rng)."""
+    if rate > 0 and module.has_rng("dropout"):
+        return nn.Dropout(rate, deterministic=False)(x)
+    return x
+
+
 class Block(nn.Module):
     shape: ModelShape
     dtype: Dtype
     lora: LoraSpec | None = None
     matmul: str = "float32"
+    dropout: float = 0.0  # on each residual branch's output (GPT-2's resid_pdrop)
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         eps = self.shape.norm_eps
         attn = Attention(self.shape, self.dtype, self.lora, self.matmul, name="attn")
-        x_BxLxD = x_BxLxD + attn(RMSNorm(eps, name="attn_norm")(x_BxLxD), layout)
-        x_BxLxD = x_BxLxD + SwiGLU(self.shape, self.dtype, self.lora, self.matmul, name="mlp")(RMSNorm(eps, name="mlp_norm")(x_BxLxD))
+        mlp = SwiGLU(self.shape, self.dtype, self.lora, self.matmul, name="mlp")
+        x_BxLxD = x_BxLxD + dropout(self, self.dropout, attn(RMSNorm(eps, name="attn_norm")(x_BxLxD), layout))
+        x_BxLxD = x_BxLxD + dropout(self, self.dropout, mlp(RMSNorm(eps, name="mlp_norm")(x_BxLxD)))
         return x_BxLxD
 
 
@@ -224,6 +233,7 @@ class Transformer(nn.Module):
     lora: LoraSpec | None = None  # adapters on a frozen base (slm.model.lora)
     matmul: str = "float32"  # "bfloat16": the projections and head in bf16 products, f32 sums (slm.model.matmul)
     loss_chunk: int = 0  # token_nll's vocabulary chunk (slm.model.loss); 0 or >= V: the full logits
+    dropout: float = 0.0  # on the embeddings and each residual branch, in training only (token_nll's dropout_rng)
 
     @nn.compact
     def __call__(self, ids_BxL: jax.Array, features: bool = False) -> Any:
@@ -231,11 +241,12 @@ class Transformer(nn.Module):
         embed_VxD = self.param(
             "embed", nn.initializers.normal(0.02), (self.shape.vocab_size, self.shape.d_model), jnp.float32
         )
-        x_BxLxD = jnp.take(embed_VxD, ids_BxL, axis=0).astype(self.dtype)
+        x_BxLxD = dropout(self, self.dropout, jnp.take(embed_VxD, ids_BxL, axis=0).astype(self.dtype))
         layout = None if self.doc_start is None else document_layout(ids_BxL, self.doc_start)
         block_cls = nn.remat(Block, prevent_cse=True) if self.remat else Block
         for i in range(self.shape.n_layers):
-            x_BxLxD = block_cls(self.shape, self.dtype, self.lora, self.matmul, name=f"block_{i}")(x_BxLxD, layout)
+            x_BxLxD = block_cls(self.shape, self.dtype, self.lora, self.matmul, self.dropout, name=f"block_{i}")(
+                x_BxLxD, layout)
         x_BxLxD = RMSNorm(self.shape.norm_eps, name="final_norm")(x_BxLxD)
         head_VxD = head_weights(self, embed_VxD)
         if features:

@@ -57,6 +57,7 @@ class StepSpec:
     muon_lr_ratio: float = 1.0  # Muon's peak learning rate / AdamW's
     matmul: str = "float32"  # the matrix products' operand dtype (slm.model.matmul)
     loss_chunk: int | None = None  # the loss's vocabulary chunk (slm.model.loss); 0: the whole logits; None: default
+    dropout: float = 0.0  # on the embeddings and residual branches, in training
 
     @classmethod
     def from_config(cls, c: Any, shape: ModelShape, doc_start: int | None = None) -> StepSpec:
@@ -64,7 +65,8 @@ class StepSpec:
         return cls(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, c.use_mixed_precision,
                    c.gradient_checkpointing, c.use_8bit_optimizer, c.weight_decay, c.grad_clip, c.sharding, c.seed,
                    doc_start, lora_spec(c), getattr(c, "base_dtype", "float32"), *optimizer_of(c),
-                   getattr(c, "matmul_precision", None) or "float32", getattr(c, "loss_chunk", None))
+                   getattr(c, "matmul_precision", None) or "float32", getattr(c, "loss_chunk", None),
+                   getattr(c, "dropout", 0.0) or 0.0)
 
 
 def optimizer_of(c: Any) -> tuple[str, float]:
@@ -106,7 +108,7 @@ def model_and_optimizer(spec: StepSpec, mesh: Any = None) -> tuple[Transformer, 
     model = Transformer(spec.shape, dtype=jnp.bfloat16 if spec.mixed_precision else jnp.float32, remat=spec.remat,
                         doc_start=spec.doc_start, lora=spec.lora, matmul=spec.matmul,
                         loss_chunk=default_loss_chunk(spec.shape.vocab_size, jax.default_backend(), spec.matmul)
-                        if spec.loss_chunk is None else spec.loss_chunk)
+                        if spec.loss_chunk is None else spec.loss_chunk, dropout=spec.dropout)
     tx = make_optimizer(spec.weight_decay, spec.grad_clip, spec.accumulation, use_8bit=spec.use_8bit,
                         optimizer=spec.optimizer, muon_lr_ratio=spec.muon_lr_ratio, muon_mesh=mesh)
     return model, tx, jax.eval_shape(lambda: fresh_state(trainable_init(model, spec), tx))

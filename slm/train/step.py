@@ -41,9 +41,10 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, state_
 
     With LoRA (`model.lora`) it is jit(state, batch, lr, base): `state.params` are the adapters, the only
     thing differentiated and updated; the frozen `base` is an input (never donated, no gradient, no
-    optimizer state). LoRA dropout draws its mask from (seed, micro_step), so a resumed run repeats it.
+    optimizer state). Dropout (--dropout, LoRA's) draws its masks from (seed, micro_step), so a resumed run
+    repeats them.
     """
-    dropout = model.lora is not None and model.lora.dropout > 0
+    dropout = model.dropout > 0 or (model.lora is not None and model.lora.dropout > 0)
 
     def loss_fn(trainable: PyTree, batch: dict, base: PyTree, rng: Any) -> jax.Array:
         params = trainable if base is None else merge(base, trainable)

@@ -8,7 +8,7 @@ from helpers import ROOT
 
 from slm.cli.flags import build_parser, flags_markdown, parse_flags
 from slm.errors import ConfigError
-from slm.train.config import Config, flag_name
+from slm.train.config import Config, flag_name, validate
 
 
 def test_docs_flags_page_is_generated_and_current():
@@ -34,3 +34,11 @@ def test_only_given_flags_are_explicit_and_resume_may_be_bare():
     assert values["resume"] == "latest" and values["seq_len"] == 64 and values["batch_size"] == 32
     with pytest.raises(ConfigError, match="--seq-len"):
         parse_flags(["--seq-len", "many"])
+
+
+@pytest.mark.parametrize("flags,message", [(["--dropout", "1"], "--dropout 1.0: must be in"),
+                                           (["--loss-chunk", "-5"], "--loss-chunk -5: must be >= 0")])
+def test_dropout_and_loss_chunk_out_of_range_are_one_line_errors(flags, message):
+    values, _, _ = parse_flags(flags)
+    with pytest.raises(ConfigError, match=message):
+        validate(Config(**values))

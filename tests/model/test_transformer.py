@@ -131,3 +131,16 @@ def test_the_gpu_fused_attention_computes_the_same_causal_attention(kv_heads):
     np.testing.assert_allclose(ours, fused, rtol=1e-5, atol=1e-5)
     assert not fused_attention_fits(jnp.float32)
     assert fused_attention_fits(jnp.bfloat16) == (jax.default_backend() == "gpu")
+
+
+def test_dropout_only_in_training_and_repeatable_per_rng():
+    """--dropout: off without a dropout rng (eval, sampling: the plain model's loss), on with one, and the same
+    mask for the same rng (a resumed run draws (seed, micro_step) again)."""
+    x, y = _batch(SMALL)
+    plain, dropped = Transformer(SMALL), Transformer(SMALL, dropout=0.3)
+    params = init_params(plain, 0, 16)
+    base = token_nll(plain, params, x, y)
+    np.testing.assert_array_equal(token_nll(dropped, params, x, y), base)
+    a, b = (token_nll(dropped, params, x, y, jax.random.PRNGKey(k)) for k in (1, 2))
+    assert not np.allclose(a, base) and not np.allclose(a, b)
+    np.testing.assert_array_equal(a, token_nll(dropped, params, x, y, jax.random.PRNGKey(1)))

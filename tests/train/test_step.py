@@ -125,3 +125,23 @@ def test_eval_step_masks_padding():
 
     nll = np.asarray(token_nll(model, params, b["input_ids"], b["targets"]))
     assert float(total) == pytest.approx(nll[0].sum() + nll[1, :5].sum(), rel=1e-5)
+
+
+def test_dropout_masks_follow_the_step_so_a_replayed_step_repeats():
+    """--dropout draws from (seed, micro_step): the same state and batch give the same update (resume), a
+    different step count another mask, and eval is unaffected."""
+    model = Transformer(SHAPE, dropout=0.2)
+    tx = make_optimizer(accumulation=1)
+    b = _batches(1, 4)[0]
+    step = make_train_step(model, tx)
+    start = fresh_state(model, tx, L)
+    copy = jax.tree.map(jnp.copy, start)
+    s1, m1 = step(start, b, np.float32(1e-2))
+    s2, m2 = step(copy, b, np.float32(1e-2))
+    assert float(m1["loss"]) == float(m2["loss"])
+    for x, y in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        np.testing.assert_array_equal(x, y)
+    s1_copy = jax.tree.map(jnp.copy, s1)
+    _, m3 = step(s1, b, np.float32(0.0))  # dropout at micro_step 1 too: not the plain model's loss
+    _, m4 = make_train_step(Transformer(SHAPE), tx)(s1_copy, b, np.float32(0.0))
+    assert float(m3["loss"]) != float(m4["loss"])
