@@ -5,9 +5,12 @@ pre-flight costs no extra compile.
 
 The predicted whole-run peak RSS is measured where it can be: the plan is made right after the compile,
 so the process's RSS then (`base_rss_mb`) already holds the runtime, the tokenizer, the eval set and what
-the compile left in the heap, whether the step was compiled or loaded from the compile cache (a cached
-20M step: 486 MB; compiled: 640). On top of it: the data pipeline, on CPU every local device's compiled
-step (XLA's figure), the step slack and the checkpoint staging (slm/memory/estimate.py).
+the compile left in the heap (a cached 20M step: 486 MB; compiled: 640). It is not less than the formula's
+runtime term (`framework_mb`): a step loaded from the compile cache left the heap small (the default 1M run,
+2026-11-25: 337 MB measured against 579 when compiled), and the eval, sampling and save that follow fill it
+anyway (that run peaked at 908 MB, predicted 764 from the measured base alone). On top of it: the data
+pipeline, on CPU every local device's compiled step (XLA's figure), the step slack and the checkpoint staging
+(slm/memory/estimate.py).
 """
 
 from __future__ import annotations
@@ -48,9 +51,14 @@ class MemoryPlan:
         return self.estimate["checkpoint_staging_mb"]
 
     @property
+    def runtime_mb(self) -> float:
+        """The measured base, at least the formula's runtime term (module docstring)."""
+        return max(self.base_rss_mb, self.estimate.get("framework_mb", 0.0))
+
+    @property
     def estimated_peak_rss_mb(self) -> float:
-        """The whole run's peak RSS: measured base + data pipeline + devices + step slack + checkpoint staging."""
-        return self.base_rss_mb + self.data_mb + self.devices_mb + STEP_SLACK_MB + self.staging_mb
+        """The whole run's peak RSS: runtime + data pipeline + devices + step slack + checkpoint staging."""
+        return self.runtime_mb + self.data_mb + self.devices_mb + STEP_SLACK_MB + self.staging_mb
 
     @property
     def what(self) -> str:
@@ -92,8 +100,8 @@ class MemoryPlan:
         return [f"[memory] per device (MB, estimate): {parts}; total {e['device_total_mb']:,.1f} "
                 f"| XLA's compiled step: {self.compiled_device_mb:,.1f} MB/device x {self.devices} "
                 f"(compiled in {self.compile_s:.1f}s)",
-                f"[memory] predicted peak host RSS {self.estimated_peak_rss_mb:,.0f} MB (now {self.base_rss_mb:,.0f} "
-                f"+ data {self.data_mb:,.1f}"
+                f"[memory] predicted peak host RSS {self.estimated_peak_rss_mb:,.0f} MB (runtime "
+                f"{self.runtime_mb:,.0f}, now {self.base_rss_mb:,.0f} + data {self.data_mb:,.1f}"
                 + (f" + devices {self.devices_mb:,.0f}" if cpu else "")
                 + f" + step {STEP_SLACK_MB:,.0f} + checkpoint staging {self.staging_mb:,.0f})"
                 + (f"; device memory {self.compiled_device_mb:,.0f} MB" if not cpu else "")

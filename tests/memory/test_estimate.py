@@ -154,7 +154,10 @@ def test_preflight_peak_starts_from_the_rss_measured_after_the_compile():
     assert plan.predicted_peak_mb == plan.estimated_peak_rss_mb and plan.refusal is None
     rec = plan.record()
     assert rec["base_rss_mb"] == 600.0 and rec["formula_peak_rss_mb"] == round(plan.estimate["host_rss_mb"], 1)
-    assert "now 600 + data 11.3 + devices 340" in plan.describe()[1]
+    assert "(runtime 600, now 600 + data 11.3 + devices 340" in plan.describe()[1]
+    small = _plan(base_rss_mb=300.0)  # a step loaded from the compile cache: the heap is smaller than it will get
+    assert small.runtime_mb == plan.estimate["framework_mb"] > 300
+    assert small.estimated_peak_rss_mb == pytest.approx(small.runtime_mb + 11.3 + 2 * 170 + STEP_SLACK_MB + staging)
     assert _plan().base_rss_mb > 10  # measured by default: this process's RSS when the plan is made
     gpu = _plan(base_rss_mb=600.0, platform="gpu")
     assert gpu.estimated_peak_rss_mb == pytest.approx(600 + 11.3 + STEP_SLACK_MB + staging)
