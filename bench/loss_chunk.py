@@ -98,6 +98,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--memory-only", action="store_true")
     args = ap.parse_args()
+    if args.lora_rank and not args.memory_only:
+        ap.error("--lora-rank needs --memory-only (the timed rounds build no frozen base)")
     print(f"loss_chunk: {time.strftime('%Y-%m-%d %H:%M')}, jax {jax.__version__}, {jax.device_count()} devices")
     if args.hf_config:
         with open(args.hf_config) as f:

@@ -8,7 +8,9 @@ target's logit picked out of the chunk that holds it. Backward: the same scan re
 (one more x.head^T product: 2*B*L*V*D FLOPs, a third more than the head's forward and backward), turns
 them into softmax - onehot and adds its products into dx (carried, B*L*D) and dhead (the chunk's own rows).
 Chunking the vocabulary rather than the tokens keeps the batch axis whole in every chunk, so a batch split
-over devices (data parallel) stays split and dhead is summed over devices once, like any gradient.
+over devices (data parallel) stays split; each chunk's dhead rows are summed over the devices in the loop, the
+bytes of one all-reduce of the head's gradient in pieces. Under FSDP the head is split along V and each chunk
+reads a slice of it at a traced offset (not measured).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 Dtype = Any
 
@@ -85,12 +88,16 @@ def _nll_fwd(x, head, targets, chunk, dtype):
     gets none computed, which also frees the backward pass of a (V, D) accumulator."""
     xc = x.value.astype(dtype)
     nll, logz_BxL = _forward(xc, head.value, targets.value, chunk)
-    # x's dtype rides along as an empty array (residuals are arrays); a static flag: the head's gradient.
-    return nll, (xc, head.value, targets.value, logz_BxL, jnp.zeros((0,), x.value.dtype), head.perturbed)
+    # Dtypes ride along as empty arrays (residuals are arrays); None (in the tree's structure, so static under
+    # any transform): the head takes no gradient.
+    h_tag = jnp.zeros((0,), head.value.dtype) if head.perturbed else None
+    return nll, (xc, head.value, targets.value, logz_BxL, jnp.zeros((0,), x.value.dtype), h_tag)
 
 
 def _nll_bwd(chunk, dtype, res, g_BxL):
-    xc, head_VxD, targets_BxL, logz_BxL, x_tag, head_grad = res
+    xc, head_VxD, targets_BxL, logz_BxL, x_tag, h_tag = res
+    if isinstance(g_BxL, SymbolicZero):  # the loss itself takes no gradient
+        return None, None, None
     g_BxL = jnp.where(targets_BxL >= 0, g_BxL, 0.0).astype(jnp.float32)
 
     def body(carry, i):
@@ -106,7 +113,7 @@ def _nll_bwd(chunk, dtype, res, g_BxL):
                 dh_VxD, lax.dynamic_slice_in_dim(dh_VxD, start, chunk) + dh_CxD, start, 0)
         return (dx_BxLxD, dh_VxD), None
 
-    dh = jnp.zeros(head_VxD.shape, head_VxD.dtype) if head_grad else None
+    dh = jnp.zeros(head_VxD.shape, head_VxD.dtype) if h_tag is not None else None
     n = -(-head_VxD.shape[0] // chunk)
     (dx, dh), _ = lax.scan(body, (jnp.zeros(xc.shape, jnp.float32), dh), jnp.arange(n))
     return dx.astype(x_tag.dtype), dh, None
@@ -120,6 +127,8 @@ def chunked_token_nll(x_BxLxD: jax.Array, head_VxD: jax.Array, targets_BxL: jax.
     """Per-token NLL (B, L) in nats, float32, of logits x.head^T, `chunk` vocabulary entries at a time; 0 where
     the target is negative. The products take operands in `dtype` (default x's) and sum in float32, as the
     full head does; log-sum-exp, softmax and the loss are float32."""
+    if int(chunk) < 1:
+        raise ValueError(f"chunked_token_nll: chunk {chunk} must be at least 1")
     chunk = min(int(chunk), head_VxD.shape[0])
     return _nll(x_BxLxD, head_VxD, targets_BxL, chunk, jnp.dtype(dtype or x_BxLxD.dtype))
 

@@ -272,7 +272,8 @@ def init_params(model: Transformer, seed: int, seq_len: int) -> Any:
 def token_nll(model: Transformer, params: Any, ids_BxL: jax.Array, targets_BxL: jax.Array,
               dropout_rng: jax.Array | None = None) -> jax.Array:
     """Per-token negative log-likelihood in nats, float32, shape (B, L); 0 where the target is negative
-    (instruction data: not a response token). `dropout_rng` turns LoRA dropout on (training)."""
+    (instruction data: not a response token). `dropout_rng` turns dropout on (training: --dropout, LoRA's); with
+    `model.loss_chunk` below the vocabulary the loss runs over vocabulary chunks (slm.model.loss)."""
     rngs = None if dropout_rng is None else {"dropout": dropout_rng}
     if 0 < model.loss_chunk < model.shape.vocab_size:
         x_BxLxD, head_VxD = model.apply({"params": params}, ids_BxL, features=True, rngs=rngs)

@@ -297,7 +297,8 @@ def _restore(run_dir: str, step: int | None, tokenizer: Any, special: SpecialIds
     optimizer, muon_lr_ratio = optimizer_of(config)
     spec = StepSpec(shape, 8, 1, config["gradient_accumulation_steps"], use_8bit=config.get("use_8bit_optimizer", False),
                     weight_decay=config["weight_decay"], grad_clip=config["grad_clip"], lora=lora_spec(config),
-                    optimizer=optimizer, muon_lr_ratio=muon_lr_ratio)
+                    optimizer=optimizer, muon_lr_ratio=muon_lr_ratio, loss_chunk=config.get("loss_chunk", 0),
+                    dropout=config.get("dropout", 0.0))
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # whatever mesh saved it
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
                             model_and_optimizer(spec)[2])

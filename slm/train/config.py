@@ -196,7 +196,8 @@ def apply_preset(c: Config, name: str, explicit: set[str] | None = None) -> list
 
 # What a run saved before a setting existed used (its config.json lacks the key): a default that changed later
 # must not change how such a run resumes or loads.
-BEFORE_THE_SETTING = {"optimizer": "adamw", "schedule": "cosine", "matmul_precision": "float32", "loss_chunk": 0}
+BEFORE_THE_SETTING = {"optimizer": "adamw", "schedule": "cosine", "matmul_precision": "float32", "loss_chunk": 0,
+                      "dropout": 0.0}
 
 POSITIVE = ("checkpoint_minutes", "keep_checkpoints", "memory_alert_mb", "batch_size", "gradient_accumulation_steps",
             "target_params", "epochs", "eval_every", "eval_tokens", "log_every", "checkpoint_every",

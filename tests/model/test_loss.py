@@ -45,6 +45,25 @@ def test_bf16_operands_match_the_full_logits_in_bf16():
     np.testing.assert_allclose(ours, ref, rtol=2e-2, atol=1e-2)  # the reference's dx is rounded to bf16
 
 
+@pytest.mark.parametrize("head_dtype", [jnp.bfloat16, jnp.float16])
+def test_a_16_bit_head_sliced_as_its_bit_pattern_gives_its_own_values(head_dtype):
+    """A LoRA base's head in bf16 / fp16 is sliced as uint16 (slm.model.loss._slice_rows): same loss and dx as
+    the whole logits of the same 16-bit head."""
+    x, head, targets, w = problem(V=300, D=32)
+    h16 = head.astype(head_dtype)
+    ours = jax.grad(lambda x: jnp.sum(chunked_token_nll(x, h16, targets, 64) * w))(x)
+    ref = jax.grad(lambda x: jnp.sum(full_nll(x, h16.astype(jnp.float32), targets) * w))(x)
+    np.testing.assert_allclose(chunked_token_nll(x, h16, targets, 64), full_nll(x, h16.astype(jnp.float32), targets),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_chunk_below_one_is_refused():
+    x, head, targets, _ = problem()
+    with pytest.raises(ValueError, match="chunk 0 must be at least 1"):
+        chunked_token_nll(x, head, targets, 0)
+
+
 def temp_bytes(f, *args) -> int:
     return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
@@ -71,9 +90,11 @@ def test_a_frozen_head_gets_no_gradient_computed():
     assert x_only < both and x_only < V * D * 4, (x_only / 2**20, both / 2**20)
 
 
-@pytest.mark.parametrize("matmul,dtype", [("float32", jnp.float32), ("bfloat16", jnp.float32), ("float32", jnp.bfloat16)])
-def test_the_model_loss_is_the_same_with_chunks(matmul, dtype):
-    shape = ModelShape(n_layers=2, d_model=32, n_heads=2, d_ff=64, vocab_size=300, tie_embeddings=False)
+@pytest.mark.parametrize("matmul,dtype,tied", [("float32", jnp.float32, False), ("float32", jnp.float32, True),
+                                               ("bfloat16", jnp.float32, True), ("float32", jnp.bfloat16, True)])
+def test_the_model_loss_is_the_same_with_chunks(matmul, dtype, tied):
+    """Tied: the head is the embedding, whose gradient adds the loss's rows to the lookup's."""
+    shape = ModelShape(n_layers=2, d_model=32, n_heads=2, d_ff=64, vocab_size=300, tie_embeddings=tied)
     whole, chunked = (Transformer(shape, dtype=dtype, matmul=matmul, loss_chunk=c) for c in (0, 64))
     params = init_params(whole, 0, 16)
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, 17), 0, 300)

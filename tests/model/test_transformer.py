@@ -144,3 +144,15 @@ def test_dropout_only_in_training_and_repeatable_per_rng():
     a, b = (token_nll(dropped, params, x, y, jax.random.PRNGKey(k)) for k in (1, 2))
     assert not np.allclose(a, base) and not np.allclose(a, b)
     np.testing.assert_array_equal(a, token_nll(dropped, params, x, y, jax.random.PRNGKey(1)))
+
+
+def test_remat_recomputes_the_same_dropout_masks():
+    x, y = _batch(SMALL)
+    plain, remat = Transformer(SMALL, dropout=0.3), Transformer(SMALL, dropout=0.3, remat=True)
+    params = init_params(plain, 0, 16)
+    rng = jax.random.PRNGKey(3)
+    loss = lambda m: lambda p: token_nll(m, p, x, y, rng).mean()  # noqa: E731
+    (l0, g0), (l1, g1) = jax.value_and_grad(loss(plain))(params), jax.value_and_grad(loss(remat))(params)
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

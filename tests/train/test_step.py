@@ -141,7 +141,10 @@ def test_dropout_masks_follow_the_step_so_a_replayed_step_repeats():
     assert float(m1["loss"]) == float(m2["loss"])
     for x, y in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
         np.testing.assert_array_equal(x, y)
-    s1_copy = jax.tree.map(jnp.copy, s1)
+    s1_copy, s1_again = jax.tree.map(jnp.copy, s1), jax.tree.map(jnp.copy, s1)
     _, m3 = step(s1, b, np.float32(0.0))  # dropout at micro_step 1 too: not the plain model's loss
     _, m4 = make_train_step(Transformer(SHAPE), tx)(s1_copy, b, np.float32(0.0))
     assert float(m3["loss"]) != float(m4["loss"])
+    other = s1_again.replace(micro_step=s1_again.micro_step + 1)  # same weights, the next step's mask
+    _, m5 = step(other, b, np.float32(0.0))
+    assert float(m5["loss"]) != float(m3["loss"])
