@@ -23,11 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from slm.model.matmul import contract_f32
+
 Dtype = Any
-
-
-def _contract(a: jax.Array, a_axes: tuple[int, ...], b: jax.Array, b_axes: tuple[int, ...]) -> jax.Array:
-    return lax.dot_general(a, b, ((a_axes, b_axes), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _chunk_logits(x_BxLxD: jax.Array, head_VxD: jax.Array, i: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -39,7 +37,7 @@ def _chunk_logits(x_BxLxD: jax.Array, head_VxD: jax.Array, i: jax.Array, chunk: 
     V = head_VxD.shape[0]
     start = jnp.minimum(i * chunk, V - chunk)
     h_CxD = _slice_rows(head_VxD, start, chunk).astype(x_BxLxD.dtype)
-    logits = _contract(x_BxLxD, (2,), h_CxD, (1,))
+    logits = contract_f32(x_BxLxD, (2,), h_CxD, (1,))
     return jnp.where(start + jnp.arange(chunk) >= i * chunk, logits, -jnp.inf), start, h_CxD
 
 
@@ -103,12 +101,12 @@ def _nll_bwd(chunk, dtype, res, g_BxL):
     def body(carry, i):
         dx_BxLxD, dh_VxD = carry
         logits, start, h_CxD = _chunk_logits(xc, head_VxD, i, chunk)
-        p = jnp.exp(logits - logz_BxL[..., None])  # 0 in the columns the chunk before counted
+        # 0 in the columns the chunk before counted: their logits are -inf and _hits leaves them out
+        p = jnp.exp(logits - logz_BxL[..., None])
         d_BxLxC = ((p - _hits(targets_BxL, start, i, chunk)) * g_BxL[..., None]).astype(dtype)
-        d_BxLxC = jnp.where(start + jnp.arange(chunk) >= i * chunk, d_BxLxC, 0)
-        dx_BxLxD = dx_BxLxD + _contract(d_BxLxC, (2,), h_CxD, (0,))
+        dx_BxLxD = dx_BxLxD + contract_f32(d_BxLxC, (2,), h_CxD, (0,))
         if dh_VxD is not None:  # each row belongs to one chunk: added once, to zeros
-            dh_CxD = _contract(d_BxLxC, (0, 1), xc, (0, 1)).astype(dh_VxD.dtype)
+            dh_CxD = contract_f32(d_BxLxC, (0, 1), xc, (0, 1)).astype(dh_VxD.dtype)
             dh_VxD = lax.dynamic_update_slice_in_dim(
                 dh_VxD, lax.dynamic_slice_in_dim(dh_VxD, start, chunk) + dh_CxD, start, 0)
         return (dx_BxLxD, dh_VxD), None

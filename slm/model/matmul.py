@@ -27,13 +27,14 @@ def _linear(x: jax.Array, w: jax.Array, out_dtype: Dtype, w_rows_out: bool) -> j
     return _product(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), w_rows_out).astype(out_dtype)
 
 
-def _contract(a: jax.Array, a_axes: tuple[int, ...], b: jax.Array, b_axes: tuple[int, ...]) -> jax.Array:
+def contract_f32(a: jax.Array, a_axes: tuple[int, ...], b: jax.Array, b_axes: tuple[int, ...]) -> jax.Array:
+    """a's `a_axes` contracted with b's `b_axes` (no batch axes), summed in float32 whatever the operands."""
     return lax.dot_general(a, b, ((a_axes, b_axes), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _product(xb: jax.Array, wb: jax.Array, w_rows_out: bool) -> jax.Array:
     """x (..., D) with w (D, F), or with w (F, D) when `w_rows_out` -> (..., F) in float32."""
-    return _contract(xb, (xb.ndim - 1,), wb, (1 if w_rows_out else 0,))
+    return contract_f32(xb, (xb.ndim - 1,), wb, (1 if w_rows_out else 0,))
 
 
 def _linear_fwd(x: jax.Array, w: jax.Array, out_dtype: Dtype, w_rows_out: bool) -> tuple[jax.Array, tuple]:
@@ -48,8 +49,8 @@ def _linear_bwd(out_dtype: Dtype, w_rows_out: bool, res: tuple, g: jax.Array) ->
     xb, wb, x_tag, w_tag = res
     gb = g.astype(jnp.bfloat16)
     last, lead = gb.ndim - 1, tuple(range(xb.ndim - 1))
-    dx = _contract(gb, (last,), wb, (0 if w_rows_out else 1,))
-    dw = _contract(gb, lead, xb, lead) if w_rows_out else _contract(xb, lead, gb, lead)
+    dx = contract_f32(gb, (last,), wb, (0 if w_rows_out else 1,))
+    dw = contract_f32(gb, lead, xb, lead) if w_rows_out else contract_f32(xb, lead, gb, lead)
     return dx.astype(x_tag.dtype), dw.astype(w_tag.dtype)
 
 

@@ -36,7 +36,7 @@ from slm.io.tracking import Trackers
 from slm.memory.host import peak_rss_mb
 from slm.memory.monitor import MemoryMonitor
 from slm.memory.preflight import MemoryPlan
-from slm.model.sizing import describe, flops_per_token
+from slm.model.sizing import describe, flops_per_token, logit_columns
 from slm.optim.schedule import warmup_for
 from slm.train.config import Config, RunFacts
 from slm.train.devices import Processes
@@ -235,7 +235,7 @@ def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state
         env.log(f"[lora] rank {c.lora_rank} on {c.lora_targets}, alpha {c.lora_alpha:g}, dropout {c.lora_dropout:g}: "
                 f"{trainable:,} trainable of {n_params:,} params ({trainable / n_params:.3%}); base frozen in "
                 f"{c.base_dtype} ({device_bytes(base) / 2**20:,.1f} MB/device)")
-    chunked = 0 < (c.loss_chunk or 0) < data.shape.vocab_size
+    chunked = logit_columns(data.shape.vocab_size, c.loss_chunk) < data.shape.vocab_size  # resolved by plan_step
     loss_form = f"loss over {c.loss_chunk}-entry vocabulary chunks" if chunked else "loss over the whole logits"
     env.log(f"[run] {n_dev} {device.platform} device(s){f' in {procs.count} processes' if procs.count > 1 else ''}, "
             f"batch split over them, state {'split (fsdp)' if c.sharding == 'fsdp' and n_dev > 1 else 'replicated (dp)'}: "
