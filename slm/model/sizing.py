@@ -298,6 +298,13 @@ def default_loss_chunk(vocab_size: int, platform: str = "cpu", matmul: str = "fl
     return 512 if vocab_size > 8192 else 0
 
 
+def default_dropout(pretrained: bool) -> float:
+    """--dropout's default: 0.1 for a model trained from scratch, from --dropout-from-epoch's default 1, i.e. only
+    once the data repeats (measured at the race's budget, where tinyshakespeare repeats ~9 times:
+    docs/performance.md); 0 for a pretrained model (--init-from), whose weights were trained without it."""
+    return 0.0 if pretrained else 0.1
+
+
 def logit_columns(vocab_size: int, loss_chunk: int | None, platform: str = "cpu") -> int:
     """The logits' columns a step holds at once: the chunk, or the whole vocabulary (0 or >= V). None: the
     default with float32 products, the larger where the default differs (an estimate errs high)."""

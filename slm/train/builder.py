@@ -9,6 +9,7 @@ a run directory's parameters on one device, whatever mesh saved them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -66,7 +67,7 @@ class StepSpec:
                    c.gradient_checkpointing, c.use_8bit_optimizer, c.weight_decay, c.grad_clip, c.sharding, c.seed,
                    doc_start, lora_spec(c), getattr(c, "base_dtype", "float32"), *optimizer_of(c),
                    getattr(c, "matmul_precision", None) or "float32", getattr(c, "loss_chunk", None),
-                   getattr(c, "dropout", 0.0) or 0.0)
+                   0.0 if getattr(c, "dropout_from_epoch", 0) else getattr(c, "dropout", 0.0) or 0.0)
 
 
 def optimizer_of(c: Any) -> tuple[str, float]:
@@ -184,6 +185,12 @@ def compile_step(built: Built) -> tuple[Any, float, float]:
     base = () if built.base_abstract is None else (built.base_abstract,)
     mem = compiled_memory(step, built.abstract, batch, np.float32(0), *base)
     return mem["compiled"], time.time() - t0, mem["peak"] / MB
+
+
+def with_dropout(built: Built, rate: float) -> Built:
+    """`built` with dropout `rate` (--dropout-from-epoch's later step): the same state, shardings and mesh."""
+    model = built.model.clone(dropout=rate)
+    return dataclasses.replace(built, spec=dataclasses.replace(built.spec, dropout=rate), model=model)
 
 
 def load_weights(built: Built, folder: str) -> tuple[Any, str, str]:

@@ -90,7 +90,8 @@ class Config:
     warmup_steps: int = setting(100, "Linear warmup (optimizer steps; over at most the first 20% of the run: of its steps, or of its time with --max-time)", IDENTITY, "steps")
     weight_decay: float = setting(0.1, "Decoupled weight decay on matrices", IDENTITY)
     grad_clip: float = setting(1.0, "Clip gradients to this global norm (0: off)", IDENTITY)
-    dropout: float = setting(0.0, "Dropout on the embeddings and on each attention and MLP output, in training only: a regulariser for data seen many times over (docs/performance.md)", IDENTITY, "probability")
+    dropout: float | None = setting(None, "Dropout on the embeddings and on each attention and MLP output, in training only, from --dropout-from-epoch on: a regulariser for data seen many times over (docs/performance.md). Default: 0.1 from scratch, 0 with --init-from", IDENTITY, "probability", unset="auto")
+    dropout_from_epoch: int = setting(1, "The epoch (pass over the data, from 0) --dropout starts at: 1, once the data starts to repeat (measured better than from the start: docs/performance.md); the step with dropout compiles when that epoch begins", IDENTITY, "epoch")
     use_mixed_precision: bool = setting(False, "bfloat16 compute with float32 master weights", IDENTITY)
     matmul_precision: str | None = setting(None, "Operands of the matrix products (projections, MLP, head): bfloat16 rounds them to bf16 and sums in float32, forward and backward, activations unchanged (1.2-1.6x faster steps on CPUs with AVX512-BF16, same losses: docs/performance.md). Default: bfloat16 on such CPUs (AVX512-BF16 or AMX-BF16), else float32", ADJUSTABLE, unset="auto", choices=("float32", "bfloat16"))
     loss_chunk: int | None = setting(None, "The loss over the vocabulary this many entries at a time, never the whole (batch, seq, vocab) logits (0: the whole logits; same loss, more compute: slm/model/loss.py). Default on CPU: 512 with bf16 products (1.0-1.5x faster steps measured), else 512 above a vocabulary of 8192; on accelerators 8192 above 8192 (Mistral, Qwen2.5: GBs less memory)", ADJUSTABLE, "vocabulary entries", unset="auto")
@@ -197,13 +198,13 @@ def apply_preset(c: Config, name: str, explicit: set[str] | None = None) -> list
 # What a run saved before a setting existed used (its config.json lacks the key): a default that changed later
 # must not change how such a run resumes or loads.
 BEFORE_THE_SETTING = {"optimizer": "adamw", "schedule": "cosine", "matmul_precision": "float32", "loss_chunk": 0,
-                      "dropout": 0.0}
+                      "dropout": 0.0, "dropout_from_epoch": 0}
 
 POSITIVE = ("checkpoint_minutes", "keep_checkpoints", "memory_alert_mb", "batch_size", "gradient_accumulation_steps",
             "target_params", "epochs", "eval_every", "eval_tokens", "log_every", "checkpoint_every",
             "max_time", "learning_rate", "muon_learning_rate", "vocab_size", "n_layers", "d_model", "n_heads", "max_examples",
             "cpu_devices", "num_processes")
-NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "shuffle_buffer_size", "skip_nonfinite", "loss_chunk")
+NON_NEGATIVE = ("dropout_from_epoch", "warmup_steps", "weight_decay", "grad_clip", "shuffle_buffer_size", "skip_nonfinite", "loss_chunk")
 
 
 def validate(c: Config) -> None:
@@ -261,7 +262,7 @@ def validate(c: Config) -> None:
     bad = sorted(set(lora_target_list(c.lora_targets)) - set(LORA_TARGETS))
     if bad or not lora_target_list(c.lora_targets):
         raise ConfigError(f"--lora-targets {c.lora_targets}: choose among {','.join(LORA_TARGETS)}")
-    if not 0 <= c.dropout < 1:
+    if c.dropout is not None and not 0 <= c.dropout < 1:
         raise ConfigError(f"--dropout {c.dropout}: must be in [0, 1)")
     if not 0 <= c.lora_dropout < 1:
         raise ConfigError(f"--lora-dropout {c.lora_dropout}: must be in [0, 1)")

@@ -194,10 +194,11 @@ class LoopPlan:
 
 
 Step = Callable[[Any, dict, np.float32], tuple[Any, dict]]
+StepFor = Callable[[int], Step]  # the step of epoch e (--dropout-from-epoch: a later epoch's differs)
 OpenEpoch = Callable[[int, bool], Iterator[dict]]  # (epoch, continuing a resumed epoch) -> batches
 
 
-def run_loop(run: RunState, step: Step, open_epoch: OpenEpoch, callbacks: Sequence[Callback], plan: LoopPlan,
+def run_loop(run: RunState, step_for: StepFor, open_epoch: OpenEpoch, callbacks: Sequence[Callback], plan: LoopPlan,
              procs: Processes = Processes(), clock: Callable[[], float] = time.time, resumed: bool = False) -> None:
     """Train from `run` until the data, a stop condition or a callback ends it; `run` holds the result."""
     first_epoch = run.epoch
@@ -207,6 +208,7 @@ def run_loop(run: RunState, step: Step, open_epoch: OpenEpoch, callbacks: Sequen
         run.epoch, run.epoch_micro = epoch, run.epoch_micro if continuing else 0
         batches = open_epoch(epoch, continuing)
         try:
+            step = step_for(epoch)
             _epoch(run, step, batches, callbacks, plan, procs, clock)
         finally:
             getattr(batches, "close", lambda: None)()  # stops a prefetch thread now
@@ -216,7 +218,7 @@ def run_loop(run: RunState, step: Step, open_epoch: OpenEpoch, callbacks: Sequen
         for cb in callbacks:
             cb.on_epoch_end(run)
     if not run.stopped:
-        _finish_accumulation(run, step, callbacks, plan, procs, clock)
+        _finish_accumulation(run, step_for(run.epoch), callbacks, plan, procs, clock)
     for cb in callbacks:
         cb.on_loop_end(run)
     t = run.timings

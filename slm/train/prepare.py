@@ -41,6 +41,7 @@ from slm.model.sizing import (
     ModelShape,
     choose_shape,
     count_params,
+    default_dropout,
     default_learning_rate,
     default_loss_chunk,
     default_vocab_size,
@@ -220,6 +221,7 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
     shape = init_shape or choose_shape(c.target_params, tokenizer.get_vocab_size(), c.n_layers, c.d_model, c.n_heads)
     c.learning_rate = c.learning_rate or default_learning_rate(count_params(shape))
     c.optimizer = c.optimizer or ("adamw" if c.lora_rank else "muon")  # Muon is for full matrices
+    c.dropout = default_dropout(bool(c.init_from)) if c.dropout is None else c.dropout
     if eval_source is not None:
         whole = isinstance(eval_source, LocalFiles)  # a separate local file is scored whole, a hub split capped
         eval_set = build_eval_set(eval_source.documents(), tokenizer, c.seq_len, None if whole else c.eval_tokens,

@@ -103,6 +103,22 @@ def _silent(*args: Any, **kwargs: Any) -> None:
     pass
 
 
+def dropout_later(c: Config, built: Any, log: Log) -> tuple[int, Callable[[], Any]] | None:
+    """--dropout with --dropout-from-epoch N > 0: (N, compile the step with dropout), for DeviceStep.later."""
+    if not (c.dropout and c.dropout_from_epoch):
+        return None
+
+    def compile_it() -> Any:
+        from slm.train.builder import compile_step, with_dropout
+
+        compiled, seconds, peak_mb = compile_step(with_dropout(built, c.dropout))
+        log(f"[dropout] epoch {c.dropout_from_epoch} begins: dropout {c.dropout:g} from here on (its step compiled "
+            f"in {seconds:.1f} s, XLA's peak {peak_mb:,.1f} MB per device)")
+        return compiled
+
+    return c.dropout_from_epoch, compile_it
+
+
 @dataclass
 class DeviceStep:
     """The compiled step on host batches: each process's rows become one global array split over the mesh.
@@ -113,6 +129,15 @@ class DeviceStep:
     sync: bool
     flush: Any = None  # slm.train.step.make_flush_step's, with accumulation: compiled if the data ends mid-step
     base: Any = None  # LoRA: the frozen base, an input of every step
+    later: tuple[int, Callable[[], Any]] | None = None  # (epoch, compile): the step from that epoch on
+
+    def for_epoch(self, epoch: int) -> DeviceStep:
+        """The step of `epoch`: from `later`'s epoch on (--dropout-from-epoch), the later step, compiled then,
+        replaces the first, whose executable is freed first (epochs only go forward)."""
+        if self.later is not None and epoch >= self.later[0]:
+            compile_later, self.later, self.compiled = self.later[1], None, None
+            self.compiled = compile_later()
+        return self
 
     def __call__(self, state: Any, batch: dict, lr: np.float32) -> tuple[Any, dict]:
         from slm.train.devices import global_batch
@@ -183,8 +208,9 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
     if c.max_steps == 0:  # --init-from with --max-steps 0: the pretrained model evaluated and saved as a run
         run.stop("--max-steps 0")
     else:
-        run_loop(run, DeviceStep(compiled, built.batch_sharding, needs_step_sync(mesh), flush, base), batches.open,
-                 callbacks, lplan, procs, env.clock, resumed=bool(resumed))
+        step = DeviceStep(compiled, built.batch_sharding, needs_step_sync(mesh), flush, base,
+                          dropout_later(c, built, env.log))
+        run_loop(run, step.for_epoch, batches.open, callbacks, lplan, procs, env.clock, resumed=bool(resumed))
     if run.step == 0 and c.max_steps != 0:
         raise DatasetError(f"{data.source.name}: no complete optimizer step was possible; use more data or a "
                            f"smaller batch")

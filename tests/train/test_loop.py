@@ -69,7 +69,8 @@ def plan(epochs: int = 1, accumulation: int = 1, max_steps: int | None = None, m
                     Cadence(log_every, eval_every, checkpoint_every))
 
 
-def run(n_batches: int = 6, lp: LoopPlan | None = None, callbacks=(), step=None, clock=None, run_state=None):
+def run(n_batches: int = 6, lp: LoopPlan | None = None, callbacks=(), step=None, clock=None, run_state=None,
+        step_for=None):
     state = run_state or RunState(train_state=0)
     opened = []
 
@@ -77,8 +78,9 @@ def run(n_batches: int = 6, lp: LoopPlan | None = None, callbacks=(), step=None,
         opened.append((epoch, continuing))
         return iter(batches(n_batches, epoch))
 
-    run_loop(state, step or FakeStep(), open_epoch, list(callbacks), lp or plan(), Processes(), clock or FakeClock(),
-             resumed=run_state is not None)
+    step = step or FakeStep()
+    run_loop(state, step_for or (lambda epoch: step), open_epoch, list(callbacks), lp or plan(), Processes(),
+             clock or FakeClock(), resumed=run_state is not None)
     return state, opened
 
 
@@ -102,6 +104,23 @@ def test_epochs_run_out_and_the_state_counts_everything():
     assert state.tokens == 10 * B * L and state.stop_reason == "epochs done" and not state.stopped
     assert [e for e in events if e[1] == "epoch_end"] == [("r", "epoch_end", 0), ("r", "epoch_end", 1)]
     assert len(state.data_digest) == 64 and state.train_state == 10
+
+
+def test_each_epoch_runs_the_step_its_epoch_asks_for():
+    """--dropout-from-epoch: the loop asks for epoch e's step when e begins (a resumed epoch included), so
+    a later epoch can train with another compiled step."""
+    steps, asked = {0: FakeStep(), 1: FakeStep(), 2: FakeStep()}, []
+
+    def step_for(epoch):
+        asked.append(epoch)
+        return steps[min(epoch, 1)] if epoch < 2 else steps[2]
+
+    state, _ = run(n_batches=3, lp=plan(epochs=3), step_for=step_for)
+    assert asked[:3] == [0, 1, 2] and [steps[e].calls for e in range(3)] == [3, 3, 3] and state.micro_step == 9
+    asked.clear()
+    resumed = RunState(train_state=0, epoch=1, epoch_micro=1)
+    run(n_batches=3, lp=plan(epochs=3), step_for=step_for, run_state=resumed)
+    assert asked[:2] == [1, 2] and steps[0].calls == 3  # epoch 0 never ran again
 
 
 def test_accumulation_makes_one_optimizer_step_of_k_micro_steps():

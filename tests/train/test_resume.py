@@ -14,7 +14,9 @@ from stop_after import StopAfter
 def test_interrupted_and_resumed_twice_equals_one_run(tmp_path, data_dir, monkeypatch):
     """40 steps in one go vs interrupted after 13 and 33 and resumed: same batches (digest), same losses.
 
-    Epoch 0 (200 documents) ends near step 28, so the second interruption lands in epoch 1.
+    Epoch 0 (200 documents) ends near step 28, so the second interruption lands in epoch 1, where
+    --dropout-from-epoch 1 has switched to the step with dropout: the second process switches mid-run, the
+    third starts with it, and the masks (from seed and micro-step) repeat.
     """
     from train_optimized import Config, train
 
@@ -23,7 +25,8 @@ def test_interrupted_and_resumed_twice_equals_one_run(tmp_path, data_dir, monkey
     def cfg(out, **kw):
         base = dict(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
                     seq_len=64, batch_size=8, max_examples=200, shuffle_buffer_size=50, eval_tokens=2048,
-                    log_every=1, eval_every=10**6, checkpoint_every=10**6, max_steps=40, seed=3, output_dir=str(out))
+                    log_every=1, eval_every=10**6, checkpoint_every=10**6, max_steps=40, seed=3, dropout=0.2,
+                    dropout_from_epoch=1, output_dir=str(out))
         return Config(**{**base, **kw})
 
     quiet = lambda *_: None  # noqa: E731

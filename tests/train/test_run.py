@@ -109,3 +109,32 @@ def test_bf16_matmuls_train_as_float32_does_and_a_run_may_switch_on_resume(tmp_p
                            output_dir=str(tmp_path / "float32")), start_time=time.time(), log=lambda *_: None)
     assert resumed["steps"] == 8
     assert json.load(open(tmp_path / "float32" / "config.json"))["matmul_precision"] == "bfloat16"
+
+
+def test_dropout_from_epoch_1_leaves_the_first_pass_alone_and_drops_out_once_the_data_repeats(tmp_path, data_dir,
+                                                                                               monkeypatch):
+    """The default, dropout 0.1 from epoch 1 (written to config.json): epoch 0's losses are those of the run
+    with --dropout 0, bit for bit (its step has no masks); from the first step of epoch 1 the step with
+    dropout (compiled then, and said so in the log) trains, so every later loss differs."""
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    common = dict(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=100_000,
+                  seq_len=32, batch_size=8, max_examples=40, shuffle_buffer_size=20, eval_tokens=512, log_every=1,
+                  eval_every=10**6, checkpoint_every=10**6, epochs=2, seed=1)
+    rows, logs = {}, {}
+    for name, kw in {"plain": dict(dropout=0.0), "later": {}}.items():
+        logs[name] = []
+        train(Config(**common, **kw, output_dir=str(tmp_path / name)), log=logs[name].append)
+        rows[name] = [r for r in map(json.loads, open(tmp_path / name / "metrics.jsonl")) if "loss" in r]
+    plain, later = rows["plain"], rows["later"]
+    assert [r["step"] for r in plain] == [r["step"] for r in later] and {r["epoch"] for r in later} == {0, 1}
+    first = [(r["loss"], q["loss"]) for r, q in zip(plain, later) if r["epoch"] == 0]
+    second = [(r["loss"], q["loss"]) for r, q in zip(plain, later) if r["epoch"] == 1]
+    assert len(first) >= 3 and all(a == b for a, b in first)
+    assert len(second) >= 3 and all(a != b for a, b in second)
+    switched = [str(line) for line in logs["later"] if "[dropout]" in str(line)]
+    assert len(switched) == 1 and "epoch 1 begins: dropout 0.1" in switched[0]
+    assert not any("[dropout]" in str(x) for x in logs["plain"])
+    saved = json.load(open(tmp_path / "later" / "config.json"))
+    assert (saved["dropout"], saved["dropout_from_epoch"]) == (0.1, 1)
