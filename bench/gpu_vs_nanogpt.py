@@ -85,7 +85,7 @@ def ours(a: argparse.Namespace, scratch: str, tok: str, target: int) -> dict:
     run(vs.ours_cmd(run_dir, "--dataset-id", os.path.join(vs.DATA, "tinyshakespeare_train.txt"), "--tokenizer", tok,
                     "--n-layers", str(a.layers), "--d-model", str(a.d_model), "--n-heads", str(a.heads),
                     "--seq-len", str(a.seq), "--batch-size", str(a.batch), "--target-params", str(target),
-                    "--optimizer", "adamw", "--schedule", "cosine", "--use-mixed-precision",
+                    "--optimizer", "adamw", "--schedule", "cosine", "--use-mixed-precision", "--dropout", "0",
                     "--max-steps", str(a.steps), "--log-every", "1", "--eval-tokens", "1024",
                     "--eval-every", "1000000000", "--checkpoint-every", "1000000000"), vs.ROOT, log)
     med, n = vs.median_over(vs.ours_step_times(run_dir), a.skip + 1, a.steps)
@@ -96,7 +96,8 @@ def ours(a: argparse.Namespace, scratch: str, tok: str, target: int) -> dict:
 def mfu_run(a: argparse.Namespace, scratch: str) -> dict:
     run_dir, log = os.path.join(scratch, "ours-mfu"), os.path.join(scratch, "ours-mfu.log")
     run(vs.ours_cmd(run_dir, "--dataset-id", os.path.join(vs.DATA, "tinystories_train.txt"),
-                    "--target-params", str(int(a.mfu_params)), "--use-mixed-precision", "--seq-len", str(a.seq),
+                    "--target-params", str(int(a.mfu_params)), "--use-mixed-precision", "--dropout", "0",
+                    "--seq-len", str(a.seq),
                     "--batch-size", str(a.mfu_batch), "--max-steps", str(a.mfu_steps), "--log-every", str(a.mfu_log_every),
                     "--eval-tokens", "1024", "--eval-every", "1000000000", "--checkpoint-every", "1000000000",
                     *a.mfu_flags.split()), vs.ROOT, log)

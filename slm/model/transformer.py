@@ -216,15 +216,24 @@ def drop(x: jax.Array, key: jax.Array, rate: float) -> jax.Array:
     pass (~7.7 bytes an element), while the hash costs a few integer operations that XLA fuses and recomputes."""
     cut = min(round(rate * 2**32), 2**32 - 1)
     keep = keep_mask(key, x.shape, cut)
-    return jnp.where(keep, x * jnp.asarray(2**32 / (2**32 - cut), x.dtype), jnp.zeros((), x.dtype))
+    scaled = (x.astype(jnp.float32) * (2**32 / (2**32 - cut))).astype(x.dtype)  # a bf16 scale would bias the mean
+    return jnp.where(keep, scaled, jnp.zeros((), x.dtype))
 
 
 def keep_mask(key: jax.Array, shape: tuple[int, ...], cut: int) -> jax.Array:
     """Bernoulli(1 - cut / 2^32) booleans: murmur3's 32-bit finalizer applied twice to each element's index,
     with two seeds drawn from `key` (the second keeps two masks from being shifted copies of each other)."""
     s1, s2 = jax.random.bits(key, (2,), jnp.uint32)
-    index = lax.iota(jnp.uint32, math.prod(shape)) * jnp.uint32(0x9E3779B1)  # Weyl sequence: spreads the counter
-    return _fmix32(_fmix32(index + s1) ^ s2).reshape(shape) >= jnp.uint32(cut)
+    return hashed_bits(s1, s2, math.prod(shape)).reshape(shape) >= jnp.uint32(cut)
+
+
+def hashed_bits(s1: jax.Array, s2: jax.Array, n: int) -> jax.Array:
+    """n uint32 words: fmix32(fmix32(i * golden + s1) ^ s2) for i < n. With s1 alone, two seeds k * golden apart
+    would give copies of one sequence shifted by k; the second seed, mixed in after the first round, breaks that."""
+    if n >= 2**32:
+        raise ValueError(f"dropout over {n:,} elements: the uint32 index would wrap (at most 2^32 - 1 per array)")
+    index = lax.iota(jnp.uint32, n) * jnp.uint32(0x9E3779B1)  # a Weyl sequence: spreads the counter's bits
+    return _fmix32(_fmix32(index + s1) ^ s2)
 
 
 def _fmix32(h: jax.Array) -> jax.Array:

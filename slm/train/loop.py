@@ -201,14 +201,14 @@ OpenEpoch = Callable[[int, bool], Iterator[dict]]  # (epoch, continuing a resume
 def run_loop(run: RunState, step_for: StepFor, open_epoch: OpenEpoch, callbacks: Sequence[Callback], plan: LoopPlan,
              procs: Processes = Processes(), clock: Callable[[], float] = time.time, resumed: bool = False) -> None:
     """Train from `run` until the data, a stop condition or a callback ends it; `run` holds the result."""
-    first_epoch = run.epoch
+    first_epoch, step = run.epoch, None
     run.timings.train_start = run.timings.last_save = clock()
     for epoch in range(first_epoch, plan.epochs):
         continuing = resumed and epoch == first_epoch
         run.epoch, run.epoch_micro = epoch, run.epoch_micro if continuing else 0
         batches = open_epoch(epoch, continuing)
         try:
-            step = step_for(epoch)
+            step = _step_of(run, step_for, epoch, clock)
             _epoch(run, step, batches, callbacks, plan, procs, clock)
         finally:
             getattr(batches, "close", lambda: None)()  # stops a prefetch thread now
@@ -217,12 +217,24 @@ def run_loop(run: RunState, step_for: StepFor, open_epoch: OpenEpoch, callbacks:
         plan.schedule.epoch_done(run)
         for cb in callbacks:
             cb.on_epoch_end(run)
-    if not run.stopped:
-        _finish_accumulation(run, step_for(run.epoch), callbacks, plan, procs, clock)
+    if not run.stopped and step is not None:
+        _finish_accumulation(run, step, callbacks, plan, procs, clock)
     for cb in callbacks:
         cb.on_loop_end(run)
     t = run.timings
     t.train_s = clock() - t.train_start - t.first_batch_s - (t.compile_s or 0.0) - t.eval_s
+
+
+def _step_of(run: RunState, step_for: StepFor, epoch: int, clock: Callable[[], float]) -> Step:
+    """Epoch `epoch`'s step. Past the first step, the time it takes (a compile: --dropout-from-epoch) counts as
+    compile time, not training, and stays out of the throughput window."""
+    t0 = clock()
+    step = step_for(epoch)
+    if run.timings.compile_s is not None:
+        spent = clock() - t0
+        run.timings.compile_s += spent
+        run.throughput.pause(spent)
+    return step
 
 
 def _epoch(run: RunState, step: Step, batches: Iterator[dict], callbacks: Sequence[Callback], plan: LoopPlan,

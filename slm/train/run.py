@@ -96,16 +96,22 @@ def train(config: Config, start_time: float | None = None, log: Log = print, exp
         data = setup_data(c, out, procs, log)
         built, compiled, plan = plan_step(c, data, procs, log)
         load_init_weights(c, data, built, log)  # after the plan: read straight into their final layout
-        return _train(c, data, built, compiled, plan, env, list(callbacks))
+        handed = [compiled]  # _train's DeviceStep takes the only reference, so it can free it (for_epoch)
+        del compiled
+        return _train(c, data, built, handed, plan, env, list(callbacks))
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:
     pass
 
 
-def dropout_later(c: Config, built: Any, log: Log) -> tuple[int, Callable[[], Any]] | None:
+def dropout_later(c: Config, built: Any, data: TrainData, log: Log) -> tuple[int, Callable[[], Any]] | None:
     """--dropout with --dropout-from-epoch N > 0: (N, compile the step with dropout), for DeviceStep.later."""
     if not (c.dropout and c.dropout_from_epoch):
+        return None
+    if isinstance(data.source, Mixture) and c.use_streaming:
+        log(f"[dropout] a mixture's sources restart inside one endless epoch, so --dropout {c.dropout:g} from epoch "
+            f"{c.dropout_from_epoch} never starts; pass --dropout-from-epoch 0 to train with it")
         return None
 
     def compile_it() -> Any:
@@ -168,7 +174,7 @@ class Batches:
         return itertools.islice(batches, self.resume_micro, None) if continuing else batches
 
 
-def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPlan, env: Env,
+def _train(c: Config, data: TrainData, built: Any, handed: list, plan: MemoryPlan, env: Env,
            extra: list[Callback]) -> dict:
     import jax
 
@@ -208,8 +214,8 @@ def _train(c: Config, data: TrainData, built: Any, compiled: Any, plan: MemoryPl
     if c.max_steps == 0:  # --init-from with --max-steps 0: the pretrained model evaluated and saved as a run
         run.stop("--max-steps 0")
     else:
-        step = DeviceStep(compiled, built.batch_sharding, needs_step_sync(mesh), flush, base,
-                          dropout_later(c, built, env.log))
+        step = DeviceStep(handed.pop(), built.batch_sharding, needs_step_sync(mesh), flush, base,
+                          dropout_later(c, built, data, env.log))
         run_loop(run, step.for_epoch, batches.open, callbacks, lplan, procs, env.clock, resumed=bool(resumed))
     if run.step == 0 and c.max_steps != 0:
         raise DatasetError(f"{data.source.name}: no complete optimizer step was possible; use more data or a "

@@ -123,6 +123,21 @@ def test_each_epoch_runs_the_step_its_epoch_asks_for():
     assert asked[:2] == [1, 2] and steps[0].calls == 3  # epoch 0 never ran again
 
 
+def test_a_later_epochs_compile_counts_as_compile_time_not_training():
+    """The step with dropout compiles when its epoch begins: those seconds go to compile_s, not train_s (so
+    tokens/s and MFU in the summary stay true), and out of the throughput window."""
+    clock, step, compiled = FakeClock(), FakeStep(), set()
+
+    def step_for(epoch):
+        if epoch == 1 and epoch not in compiled:
+            clock.now += 100.0  # the compile, once
+            compiled.add(epoch)
+        return step
+
+    state, _ = run(n_batches=3, lp=plan(epochs=2), step_for=step_for, clock=clock)
+    assert state.timings.compile_s >= 100 and 0 < state.timings.train_s < 100 and state.micro_step == 6
+
+
 def test_accumulation_makes_one_optimizer_step_of_k_micro_steps():
     events = []
     state, _ = run(n_batches=7, lp=plan(accumulation=3), callbacks=[Recorder("r", events)])
