@@ -18,7 +18,7 @@ import types
 import typing
 
 from slm.errors import ConfigFileError
-from slm.train.config import DERIVED_KEYS, LAUNCH, PER_RUN, fields_with
+from slm.train.config import BEFORE_THE_SETTING, DERIVED_KEYS, LAUNCH, PER_RUN, fields_with
 
 # Fields not applied from a resolved config.json: a new run needs its own output dir and starts fresh;
 # the preset's and auto-fit's choices are already in the saved batch size, precision and so on.
@@ -32,7 +32,8 @@ def load_config_file(path: str, config_cls) -> tuple[dict, list[str]]:
     for float fields, numeric strings for numeric fields (YAML reads 3e-4 as a string), integral
     floats for int fields; anything else, or a string for a bool, is an error. A file with derived
     keys is a resolved config.json: those keys are ignored, NOT_REPRODUCED fields are left out (a
-    note says so), and vocab_size is dropped when the run used a --tokenizer file (it comes with it).
+    note says so), vocab_size is dropped when the run used a --tokenizer file (it comes with it), and a
+    setting the file predates takes the value that run had (BEFORE_THE_SETTING, as a resume does).
     """
     data = _read(path)
     kinds = field_kinds(config_cls)
@@ -55,9 +56,13 @@ def load_config_file(path: str, config_cls) -> tuple[dict, list[str]]:
         dropped = [k for k in NOT_REPRODUCED if values.pop(k, None) not in (None, False)]
         if values.get("tokenizer"):
             values.pop("vocab_size", None)
+        older = {k: v for k, v in BEFORE_THE_SETTING.items() if k not in values}  # saved before the setting existed
+        values.update(older)
         notes.append(f"[config] {path}: a run's resolved config.json; repeating its settings"
                      + (f", without its {', '.join('--' + k.replace('_', '-') for k in dropped)}" if dropped else "")
-                     + f" ({len(derived)} derived keys ignored)")
+                     + f" ({len(derived)} derived keys ignored"
+                     + (f"; settings it predates as it ran: {', '.join(f'{k}={v}' for k, v in older.items())}"
+                        if older else "") + ")")
     return values, notes
 
 

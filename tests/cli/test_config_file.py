@@ -106,6 +106,19 @@ def test_resolved_config_round_trip(tmp_path):
     assert values["tokenizer"] == "runs/x/tokenizer.json" and "vocab_size" not in values
 
 
+def test_a_config_json_older_than_a_setting_repeats_the_run_as_it_ran(tmp_path):
+    """A run saved before --dropout / --matmul-precision / ... existed: --config gives it what it used then
+    (BEFORE_THE_SETTING, as a resume does), not today's defaults, and says which."""
+    from slm.train.config import BEFORE_THE_SETTING
+
+    old = {k: v for k, v in _resolved_config().items() if k not in BEFORE_THE_SETTING}
+    values, notes = load_config_file(_write(tmp_path, "config.json", json.dumps(old)), Config)
+    assert {k: values[k] for k in BEFORE_THE_SETTING} == BEFORE_THE_SETTING
+    assert "dropout=0.0" in notes[0] and "dropout_from_epoch=0" in notes[0]
+    values, notes = load_config_file(_write(tmp_path, "new.json", json.dumps(_resolved_config(dropout=0.1))), Config)
+    assert values["dropout"] == 0.1 and "predates" not in notes[0]
+
+
 def test_derived_keys_are_not_config_fields():
     assert not DERIVED_KEYS & {f.name for f in dataclasses.fields(Config)}
 
