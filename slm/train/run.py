@@ -106,8 +106,9 @@ def _silent(*args: Any, **kwargs: Any) -> None:
 
 
 def dropout_later(c: Config, built: Any, data: TrainData, log: Log) -> tuple[int, Callable[[], Any]] | None:
-    """--dropout with --dropout-from-epoch N > 0: (N, compile the step with dropout), for DeviceStep.later."""
-    if not (c.dropout and c.dropout_from_epoch):
+    """(N, compile the step with dropout) for DeviceStep.later, when --dropout starts at --dropout-from-epoch N > 0
+    (StepSpec.from_config then built the pre-flight's step without it)."""
+    if not c.dropout or built.spec.dropout == c.dropout:  # none asked, or the first step has it already
         return None
     if isinstance(data.source, Mixture) and c.use_streaming:
         log(f"[dropout] a mixture's sources restart inside one endless epoch, so --dropout {c.dropout:g} from epoch "
