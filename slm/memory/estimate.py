@@ -14,17 +14,18 @@ MLP width, heads, vocab; see slm/model/sizing.py):
     accumulation  4N  when accumulating   optax.MultiSteps' float32 gradient sum
     activations   Bd*S*L*(a*D + b*F + c*H*S)   what the backward pass keeps, incl. attention scores
     logits        Bd*S*V*e                     logits, softmax and their gradient
-    update        u*4N                         the optimizer update's temporaries (see UPDATE_TEMPS)
+    update        4*(u*N + m*H)                the optimizer update's temporaries (H: Muon's hidden matrices)
     device total  params + gradients + optimizer + accumulation + max(activations + logits, update)
 
 The backward pass and the optimizer update do not overlap: the activations are freed before the update
 runs, so the step's peak is the larger of the two phases, not their sum. The update phase matters when
-the micro-batch is small next to the model (50M params at micro-batch 1: XLA 1,187 MB/device where the
-sum without it said 776): the 8-bit update dequantizes m and v to float32 (u = 2.35; 2.8 with
-MultiSteps), float32 AdamW needs one parameter-sized temporary (u = 1; 3 with MultiSteps, whose
-conditional update keeps the new accumulator, the mean and the update at once). u was read from XLA's
-memory analysis at 1M and 3M params (micro-batch 1, seq 64: within 0.05 of these at both sizes) and
-matches 20M and 50M (u*4N within 3% of XLA's update phase).
+the micro-batch is small next to the model (50M params at micro-batch 1). Its temporaries are
+4 * (u * N + m * H), H the hidden matrices' parameters (Muon's share; 0 with AdamW): AdamW needs one
+parameter-sized float32 temporary (u = 1), the 8-bit update dequantizes m and v (u = 2.3); Muon's
+Newton-Schulz iterations hold m = 2.8 matrix-sized float32 temporaries per hidden matrix (1.85 with its
+bfloat16 momentum). Read from XLA's memory analysis of the trainer's step at 1M/5M/20M params (micro-batch
+1, seq 16: within 0.07 of 4N at each). Accumulation adds nothing: the optimizer runs inside a cond on the
+micro-step that emits (slm.optim.optimizer.LazyMultiSteps).
 
 With FSDP over n devices (`fsdp=True`) params, optimizer state, accumulation and the update are divided
 by n, and `gathered` (4N) is added: XLA:CPU all-gathers the full weights for the step, and the gradients
@@ -80,6 +81,7 @@ from slm.model.sizing import (
     choose_shape,
     count_params,
     default_vocab_size,
+    hidden_matrix_shapes,
     optimizer_state_bytes,
 )
 
@@ -109,8 +111,10 @@ COEFFICIENTS = {
     (True, True, True): ActivationCoefficients(49.57, 10.24, 7.60, 8.52),
 }
 
-# Update-phase temporaries in units of 4N, keyed (8-bit state, accumulating); see the module docstring.
-UPDATE_TEMPS = {(False, False): 1.0, (False, True): 3.0, (True, False): 2.35, (True, True): 2.8}
+# Update-phase temporaries in units of 4N, and in units of 4H for Muon's hidden matrices; keyed by 8-bit
+# state (module docstring).
+UPDATE_TEMPS = {False: 1.0, True: 2.3}
+MUON_UPDATE_TEMPS = {False: 2.8, True: 1.85}
 
 # Host RSS terms (MB), fitted to trainer runs on XLA:CPU (module docstring). Post-compile RSS measured
 # (fresh compile cache): float32 7/12/15 layers 526-587/640/657, 8-bit 12/15 layers 871-1,092/1,346-1,371.
@@ -172,7 +176,7 @@ def device_breakdown(
             "activations": activations,
             "logits": logits,
         }
-    out["update"] = int(UPDATE_TEMPS[(bool(use_8bit_optimizer), accumulating)] * 4 * n)
+    out["update"] = update_bytes(shape, n, bool(use_8bit_optimizer), optimizer if finetune is None else "adamw")
     if platform != "cpu":
         out["runtime"] = int(GPU_RUNTIME_MB * MB)
     if fsdp and devices > 1:
@@ -184,6 +188,13 @@ def device_breakdown(
     backward = out["activations"] + out["logits"] + out.get("base_casts", 0)
     out["total"] = sum(v for k, v in out.items() if k not in phases) + max(backward, out["update"])
     return out
+
+
+def update_bytes(shape: ModelShape, trained: int, use_8bit: bool, optimizer: str = "adamw") -> int:
+    """The optimizer update's temporaries (module docstring): AdamW's on every trained parameter, plus Muon's
+    Newton-Schulz buffers on the hidden matrices."""
+    hidden = sum(a * b for a, b in hidden_matrix_shapes(shape)) if optimizer == "muon" else 0
+    return int(4 * (UPDATE_TEMPS[use_8bit] * trained + MUON_UPDATE_TEMPS[use_8bit] * hidden))
 
 
 class MemoryEstimate(dict):

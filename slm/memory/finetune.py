@@ -15,7 +15,7 @@ per device x S):
     activations   tokens*L*(a*D + b*F + c*H*S)  the backward runs through every layer, down to layer 0's
                                                 adapters, though no base weight gets a gradient
     logits        tokens*V*e                    float32 (B, L, V) and the cross-entropy's temporaries
-    update        the adapters' optimizer update, as for a full run (estimate.UPDATE_TEMPS)
+    update        the adapters' optimizer update, as for a full run (estimate.update_bytes)
 
 Base casts: the model casts each weight to the compute dtype per matmul (bfloat16 under mixed precision,
 else float32), and JAX's autodiff keeps that cast as the residual the backward's input gradient needs.
