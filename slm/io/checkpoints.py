@@ -1,7 +1,11 @@
 """Orbax checkpoints: the train state pytree plus a JSON record of the run (step, tokens, config).
 
 Saves are asynchronous (orbax writes in a background thread and commits atomically by renaming a
-temporary directory), so a crash mid-save leaves the previous checkpoint intact.
+temporary directory), so a crash mid-save leaves the previous checkpoint intact. With `sync=True` a save
+waits for its commit before training goes on, so no step runs beside the save's host copy of the state
+(what the memory planner turns on when that copy is what does not fit). Either way, once a save has
+committed the heap's free pages go back to the OS (glibc keeps the copy's pages otherwise, and every later
+step peaked higher by up to 1.5x the state: docs/memory.md).
 """
 
 from __future__ import annotations
@@ -13,13 +17,15 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from slm.memory.host import release_free_heap
+
 
 class Checkpointer:
     """Keeps the newest `keep` checkpoints plus the one with the best eval loss; never the last one deleted."""
 
-    def __init__(self, directory: str, keep: int | None = 3, log=print):
+    def __init__(self, directory: str, keep: int | None = 3, log=print, sync: bool = False):
         self.directory = os.path.abspath(directory)
-        self.keep, self.log = keep, log
+        self.keep, self.log, self.sync = keep, log, sync
         self.pending: int | None = None  # the last save, verified once it has been committed
         self.pending_tree: set[str] = set()  # its state's leaf paths, to compare with what was written
         self.eval_loss: dict[int, float] = {}  # step -> eval loss of the params saved there
@@ -55,6 +61,13 @@ class Checkpointer:
         )
         self.pending, self.pending_tree = step, _leaf_paths(state)
         self._prune()
+        if self.sync:
+            self.verify_pending()
+
+    def poll(self) -> None:
+        """Between steps: verify the last async save (and free its copy) as soon as it has committed."""
+        if self.pending is not None and jax.process_count() == 1 and not self.manager.is_saving_in_progress():
+            self.verify_pending()
 
     def verify(self, step: int, tree: set[str] | None = None) -> str | None:
         """Reopen a committed checkpoint from its files: there, its record readable and for this step,
@@ -87,6 +100,7 @@ class Checkpointer:
         if self.pending is None:
             return
         self.manager.wait_until_finished()
+        release_free_heap()  # the save's copy of the state, freed into the heap: back to the OS
         step, tree, self.pending = self.pending, self.pending_tree, None
         problem = self.verify(step, tree) if jax.process_index() == 0 else None  # one process reports
         if problem:

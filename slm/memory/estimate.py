@@ -42,31 +42,31 @@ reads XLA's own figure, and bench/memory_accuracy.py measures these formulas aga
 Host RSS (`host_breakdown`; MB) is the whole run's peak, not one step's:
 
     runtime       RUNTIME_MB + COMPILE_MB_PER_LAYER * L, + COMPILE_8BIT_MB + COMPILE_8BIT_MB_PER_M * N/1e6
-                  with 8-bit state: Python, JAX/XLA, the tokenizer, and what compiling the step leaves in
-                  the heap (glibc keeps the compiler's freed memory; the 8-bit step compiles to a much
-                  larger program: +450 MB at 20M)
+                  with 8-bit state: Python, JAX/XLA, the tokenizer, the eval set and the compiled programs,
+                  after the compiler's freed memory went back to the OS (the trainer trims the heap after
+                  each compile; before that, glibc kept 300-1,300 MB of it: docs/memory.md)
     data          the data pipeline (estimate_memory_usage's data side)
     devices       on CPU, every host device's total (device memory *is* host memory there)
-    step slack    STEP_SLACK_MB: the state's init program, the loader thread, the host's copy of a batch
-    checkpoint    SAVE_STAGING_MB + k * state (params + optimizer state + accumulator, one replica;
-                  k = SAVE_STAGING_PER_BYTE): saves are asynchronous, so the step after a save runs while
-                  orbax still holds its host copy of the state and tensorstore its write buffers
+    step slack    STEP_SLACK_MB + STEP_SLACK_PER_STATE * state: what the first steps, the eval and the sample
+                  hold beside the compiled step (the state's init program, the eval program's activations,
+                  the loader thread, the host's copy of a batch)
+    checkpoint    SAVE_STAGING_MB + SAVE_STAGING_PER_BYTE * state (state = params + optimizer state +
+                  accumulator, one replica): orbax's host copy of the state and tensorstore's write buffers,
+                  beside the step that runs while an asynchronous save writes. With `save_alone` (saves that
+                  wait for their write, or a run that ends before its first save) only what the copy adds
+                  over the step's temporaries, which are freed between steps.
 
-The runtime and checkpoint terms are fitted to peak RSS of trainer runs on this machine (2026-11,
-jax 0.10.2, glibc malloc, tinystories, eval and checkpoint every step; docs/memory.md has the table).
-Before these two terms the estimate was framework 560 + data + devices, which missed the compile's
-leftovers (8-bit state: 20M at micro-batch 8 x 2, predicted 1,544, measured 1,905-2,317 MB) and the
-save staging (+170 to +1,340 MB on the step after a save). The pre-flight (slm/memory/preflight.py)
-replaces the runtime term by the RSS it measures right after the compile, and the device term by XLA's
-figure.
+The runtime, slack and staging terms are fitted to 24 trainer runs (2026-11-25, jax 0.10.2, glibc malloc,
+2-core AMD EPYC: bench/memory_accuracy.py, 1M-100M params x seq 256-1024 x float32/8-bit x remat x 1/2
+devices, runs shorter and longer than --checkpoint-every): the pre-flight's prediction within -2.8% .. +10.2%
+of the measured peak RSS with these constants (docs/memory.md has the table). The pre-flight
+(slm/memory/preflight.py) replaces the device term by XLA's figure.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import re
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass
 
 from slm.errors import ConfigError
 from slm.memory.finetune import (
@@ -116,18 +116,18 @@ COEFFICIENTS = {
 UPDATE_TEMPS = {False: 1.0, True: 2.3}
 MUON_UPDATE_TEMPS = {False: 2.8, True: 1.85}
 
-# Host RSS terms (MB), fitted to trainer runs on XLA:CPU (module docstring). Post-compile RSS measured
-# (fresh compile cache): float32 7/12/15 layers 526-587/640/657, 8-bit 12/15 layers 871-1,092/1,346-1,371.
-RUNTIME_MB = 540.0
-COMPILE_MB_PER_LAYER = 8.0
-COMPILE_8BIT_MB = 150.0
-COMPILE_8BIT_MB_PER_M = 12.0
-# Step slack and checkpoint staging: fitted together over 30 runs (7 calibration runs + 23 of
-# bench/autofit_sweep.py), the pre-flight's error -4.1% .. +7.2%. What the step after a save added,
-# over the state it copies: 1.6-1.8x (float32), 0.9-1.6x (8-bit), +170-200 MB at 5M.
-STEP_SLACK_MB = 75.0  # first step's peak - (post-compile RSS + devices x XLA's figure): 56-102 MB in 8 runs
-SAVE_STAGING_MB = 50.0
-SAVE_STAGING_PER_BYTE = {False: 1.5, True: 1.2}  # keyed by 8-bit state
+# Host RSS terms (MB), fitted to 24 trainer runs (module docstring). Post-compile RSS after the heap's trim:
+# float32 4/9/15/20 layers 387-394/415-429/451-486/488-517; 8-bit adds 15-80 (1M-100M params).
+RUNTIME_MB = 370.0
+COMPILE_MB_PER_LAYER = 6.5
+COMPILE_8BIT_MB = 15.0
+COMPILE_8BIT_MB_PER_M = 0.65
+# Peak - (post-compile RSS + devices x XLA's figure) in runs whose only save was the last: 161-477 MB,
+# growing with the state (13-1,166 MB); the rest, in runs that stepped beside a save, 1.1-1.5 x the state.
+STEP_SLACK_MB = 185.0
+STEP_SLACK_PER_STATE = 0.23
+SAVE_STAGING_MB = 25.0
+SAVE_STAGING_PER_BYTE = {False: 1.35, True: 1.35}  # keyed by 8-bit state (the same once the heap is trimmed)
 
 
 def device_breakdown(
@@ -176,7 +176,8 @@ def device_breakdown(
             "activations": activations,
             "logits": logits,
         }
-    out["update"] = update_bytes(shape, n, bool(use_8bit_optimizer), optimizer if finetune is None else "adamw")
+    out["update"] = update_bytes(shape, n, bool(use_8bit_optimizer), optimizer if finetune is None else "adamw",
+                                 1 if fsdp else devices)
     if platform != "cpu":
         out["runtime"] = int(GPU_RUNTIME_MB * MB)
     if fsdp and devices > 1:
@@ -190,11 +191,12 @@ def device_breakdown(
     return out
 
 
-def update_bytes(shape: ModelShape, trained: int, use_8bit: bool, optimizer: str = "adamw") -> int:
+def update_bytes(shape: ModelShape, trained: int, use_8bit: bool, optimizer: str = "adamw", shared: int = 1) -> int:
     """The optimizer update's temporaries (module docstring): AdamW's on every trained parameter, plus Muon's
-    Newton-Schulz buffers on the hidden matrices."""
+    Newton-Schulz buffers on the hidden matrices, whose work `shared` data-parallel devices split between them
+    (slm.optim.muon: 50M params on 2 devices, XLA 1,221 MB/device, this 1,220; on one 1,464 and 1,469)."""
     hidden = sum(a * b for a, b in hidden_matrix_shapes(shape)) if optimizer == "muon" else 0
-    return int(4 * (UPDATE_TEMPS[use_8bit] * trained + MUON_UPDATE_TEMPS[use_8bit] * hidden))
+    return int(4 * (UPDATE_TEMPS[use_8bit] * trained + MUON_UPDATE_TEMPS[use_8bit] * hidden / max(shared, 1)))
 
 
 class MemoryEstimate(dict):
@@ -219,9 +221,14 @@ def state_mb(dev: dict[str, int], devices: int) -> float:
     return per_device * (devices if "gathered_params" in dev else 1) / MB
 
 
+def step_slack_mb(state: float) -> float:
+    """What the first steps, the eval and the sample hold beside the compiled step (MB; module docstring)."""
+    return STEP_SLACK_MB + STEP_SLACK_PER_STATE * state
+
+
 def checkpoint_staging_mb(state: float, use_8bit_optimizer: bool) -> float:
     """What the step after an asynchronous save holds on top of itself: orbax's copy of the state and
-    tensorstore's buffers, freed into glibc's arenas and not reused by the step's threads."""
+    tensorstore's buffers."""
     return SAVE_STAGING_MB + SAVE_STAGING_PER_BYTE[bool(use_8bit_optimizer)] * state
 
 
@@ -241,73 +248,33 @@ def host_breakdown(
     platform: str,
     data_mb: float,
     use_8bit_optimizer: bool = False,
+    save_alone: bool = False,
 ) -> dict[str, float]:
-    """Predicted whole-run peak RSS in MB and its parts (module docstring); `dev` is device_breakdown's."""
+    """Predicted whole-run peak RSS in MB and its parts (module docstring); `dev` is device_breakdown's.
+
+    `save_alone`: no step runs beside a save's copy of the state (saves that wait for their write, or a run
+    that ends before its first save): the copy then only counts where it outgrows the step's temporaries,
+    which are freed between steps."""
     out = {
         "runtime": runtime_mb(shape, use_8bit_optimizer, dev["gradients"] // 4),
         "data": data_mb,
         "devices": devices * dev["total"] / MB if platform == "cpu" else 0.0,
-        "step_slack": STEP_SLACK_MB,
-        "checkpoint_staging": checkpoint_staging_mb(state_mb(dev, devices), use_8bit_optimizer),
+        "step_slack": step_slack_mb(state_mb(dev, devices)),
+        "checkpoint_staging": staging_beside(dev, devices, platform, use_8bit_optimizer, save_alone),
     }
     out["total"] = sum(out.values())
     return out
 
 
-def fit_candidates(
-    shape: ModelShape,
-    seq_len: int,
-    batch_size: int,
-    accumulation: int,
-    budget_bytes: int,
-    *,
-    max_devices: int,
-    platform: str,
-    data_mb: float,
-    margin: float = 0.10,
-    user: tuple[bool, bool, bool] = (False, False, False),
-    finetune: Finetune | None = None,
-    base_dtypes: tuple[str, ...] = (),
-    optimizer: str = "adamw",
-    loss_chunk: int | None = None,
-) -> list[dict]:
-    """Settings that keep the effective batch (batch_size x accumulation sequences) and fit the budget.
-
-    Each candidate: micro-batch (a divisor of the effective batch), the
-    matching accumulation, 8-bit optimizer state, mixed precision, gradient checkpointing, on as many of
-    `max_devices` as divide the micro-batch (as devices.data_mesh does); the user's own setting first
-    when it fits, then the rest ordered by an estimated speed cost (halving the micro-batch ~10%, remat ~30%, bf16 on CPU ~30% (it is emulated) but
-    a gain on accelerators, 8-bit state ~1%) and kept only when the predicted peak is within
-    (1 - margin) x budget: host RSS on CPU, device memory elsewhere. The trainer compiles the first
-    candidates and takes the first one XLA agrees fits. With `finetune` (a LoRA run) each candidate also
-    names its base dtype: `finetune.base_dtype`, or one of `base_dtypes` the user allows (cost 0.05, so
-    the given dtype wins at equal speed).
-    """
-    effective = batch_size * accumulation
-    own = finetune.base_dtype if finetune is not None else "float32"
-    dtypes = (own,) + tuple(d for d in base_dtypes if d != own) if finetune is not None else (own,)
-    out = []
-    for micro in sorted({d for d in range(1, effective + 1) if effective % d == 0}, reverse=True):
-        devices = max(k for k in range(1, min(max_devices, micro) + 1) if micro % k == 0)
-        for dtype, eight, mixed, remat in itertools.product(dtypes, (False, True), (False, True), (False, True)):
-            ft = replace(finetune, base_dtype=dtype) if finetune is not None else None
-            dev = device_breakdown(shape, seq_len, micro // devices, mixed_precision=mixed,
-                                   gradient_checkpointing=remat, use_8bit_optimizer=eight,
-                                   gradient_accumulation_steps=effective // micro, devices=devices,
-                                   finetune=ft, platform=platform, optimizer=optimizer, loss_chunk=loss_chunk)
-            host = host_breakdown(shape, dev, devices, platform, data_mb, eight)["total"] * MB
-            peak = host if platform == "cpu" else dev["total"]
-            if peak > (1 - margin) * budget_bytes:
-                continue
-            cost = (0.1 * math.log2(effective / micro) + 0.3 * remat + 0.01 * eight
-                    + (0.3 if platform == "cpu" else -0.1) * mixed + 0.05 * (dtype != own))
-            if micro == batch_size and (eight, mixed, remat) == tuple(user) and dtype == own:
-                cost = -1.0  # the user's own setting (user = their 8-bit, bf16, remat flags) when it fits
-            out.append({"batch_size": micro, "gradient_accumulation_steps": effective // micro, "devices": devices,
-                        "use_8bit_optimizer": eight, "use_mixed_precision": mixed,
-                        "gradient_checkpointing": remat, "predicted_peak_mb": peak / MB, "cost": cost,
-                        **({"base_dtype": dtype} if finetune is not None else {})})
-    return sorted(out, key=lambda c: (c["cost"], c["predicted_peak_mb"]))
+def staging_beside(dev: dict[str, int], devices: int, platform: str, use_8bit_optimizer: bool,
+                   save_alone: bool) -> float:
+    """The checkpoint staging's share of the whole run's peak (MB): all of it when steps run beside a save;
+    with `save_alone` what the copy adds over the step's temporaries (on CPU devices' memory is the host's)."""
+    staging = checkpoint_staging_mb(state_mb(dev, devices), use_8bit_optimizer)
+    if not save_alone:
+        return staging
+    temporaries = devices * (dev["total"] - dev["params"] - dev["optimizer_state"] - dev["accumulation"]) / MB
+    return max(0.0, staging - (temporaries if platform == "cpu" else 0.0))
 
 
 def data_side(num_sequences: int, seq_len: int, batch_size: int, shuffle_buffer_size: int, avg_document_chars: int,
@@ -359,6 +326,7 @@ def estimate_memory_usage(
     base_dtype: str = "float32",
     optimizer: str = "adamw",
     loss_chunk: int | None = None,
+    checkpoint_sync: bool = False,
 ) -> dict:
     """Memory of a run in MB: the data side always, and the whole run when a model is given.
 
@@ -383,7 +351,9 @@ def estimate_memory_usage(
     base_casts_mb, params/gradients/optimizer state are the adapters', and `trainable_params` and
     `model_params` are added. `platform="gpu"` adds runtime_mb (the CUDA context) to the device total.
     `optimizer="muon"`: Muon's one momentum on the hidden matrices instead of Adam's two (slm/optim/muon.py);
-    `loss_chunk`: --loss-chunk (None: its default with float32 products). Prints as a table, also in notebooks.
+    `loss_chunk`: --loss-chunk (None: its default with float32 products). `checkpoint_sync`: saves wait for
+    their write (or the run ends before its first save), so no step runs beside the save's copy of the state
+    (host_breakdown's `save_alone`). Prints as a table, also in notebooks.
     """
     out, full, streaming_mb = data_side(num_sequences, seq_len, batch_size, shuffle_buffer_size, avg_document_chars,
                                         prefetch, chunk_chars)
@@ -407,7 +377,7 @@ def estimate_memory_usage(
     for k, v in dev.items():
         out[f"{k}_mb" if k != "total" else "device_total_mb"] = round(v / MB, 3)
     data_mb = streaming_mb if streaming else full
-    host = host_breakdown(shape, dev, devices, platform, data_mb, use_8bit_optimizer)
+    host = host_breakdown(shape, dev, devices, platform, data_mb, use_8bit_optimizer, checkpoint_sync)
     out["data_pipeline_mb"] = round(data_mb, 3)
     for key, k in (("framework_mb", "runtime"), ("step_slack_mb", "step_slack"),
                    ("checkpoint_staging_mb", "checkpoint_staging"), ("host_rss_mb", "total")):
@@ -437,59 +407,10 @@ DATA_KEYS = ("full_load_mb", "streaming_mb", "memory_savings", "memory_savings_f
              "shuffle_buffer_mb", "tokenize_chunk_mb")
 
 
-def fit_to_budget(
-    budget: str | int,
-    seq_len: int,
-    batch_size: int,
-    gradient_accumulation_steps: int = 1,
-    *,
-    model=None,
-    target_params: int | None = None,
-    vocab_size: int | None = None,
-    lora_rank: int | None = None,
-    lora_targets: tuple[str, ...] | list[str] = ("q_proj", "v_proj"),
-    base_dtype: str = "float32",
-    allow_base_dtypes: tuple[str, ...] | list[str] = (),
-    use_8bit_optimizer: bool = False,
-    mixed_precision: bool = False,
-    gradient_checkpointing: bool = False,
-    platform: str = "gpu",
-    devices: int = 1,
-    margin: float = 0.10,
-    loss_chunk: int | None = None,
-) -> MemoryEstimate:
-    """--auto-fit from a notebook, before any download: the setting that is cheapest in compute, keeps the
-    effective batch (batch_size x gradient_accumulation_steps sequences of seq_len) and is predicted to fit
-    `budget` ("24GB", or bytes) with `margin` to spare: device memory on an accelerator, host RSS on CPU.
+def __getattr__(name: str):
+    """fit_candidates and fit_to_budget live in slm.memory.fit; importable from here too, as they were."""
+    if name in ("fit_candidates", "fit_to_budget"):
+        from slm.memory import fit
 
-    It ranks what fit_candidates ranks for the trainer's --auto-fit (micro-batch x accumulation, remat,
-    8-bit state, mixed precision; the settings given here win when they fit), and for LoRA the base dtype
-    too, but only among `base_dtype` and the `allow_base_dtypes` you name. The model is `model` (a
-    config.json, its folder or dict: fine-tuning, LoRA with `lora_rank`) or `target_params`; `loss_chunk` as
-    estimate_memory_usage's. Returns the
-    chosen settings, "budget_mb", "candidates" (how many fit) and the choice's estimate_memory_usage
-    figures; raises ConfigError when nothing fits. The trainer's --auto-fit then confirms by compiling.
-    """
-    budget_bytes = parse_size(budget, "budget") if isinstance(budget, str) else int(budget)
-    shape = model_shape(model) if model is not None else choose_shape(
-        target_params, vocab_size or default_vocab_size(target_params))
-    finetune = Finetune(lora_rank, tuple(lora_targets), base_dtype) if model is not None or lora_rank else None
-    found = fit_candidates(shape, seq_len, batch_size, gradient_accumulation_steps, budget_bytes, max_devices=devices,
-                           platform=platform, data_mb=estimate_memory_usage(0, seq_len, batch_size)["streaming_mb"],
-                           margin=margin, user=(use_8bit_optimizer, mixed_precision, gradient_checkpointing),
-                           finetune=finetune, base_dtypes=tuple(allow_base_dtypes), loss_chunk=loss_chunk)
-    if not found:
-        raise ConfigError(f"nothing fits {budget} with a {margin:.0%} margin at seq_len {seq_len} for "
-                          f"{count_params(shape):,} parameters, even at micro-batch 1 with remat and 8-bit state; "
-                          f"shorten seq_len, use LoRA or a lower base_dtype, or raise the budget")
-    best = found[0]
-    est = estimate_memory_usage(
-        0, seq_len, best["batch_size"], model=shape if finetune is not None else None,
-        shape=shape, lora_rank=lora_rank, lora_targets=tuple(lora_targets),
-        base_dtype=best.get("base_dtype", base_dtype), mixed_precision=best["use_mixed_precision"],
-        use_8bit_optimizer=best["use_8bit_optimizer"], gradient_accumulation_steps=best["gradient_accumulation_steps"],
-        gradient_checkpointing=best["gradient_checkpointing"], devices=best["devices"], platform=platform,
-        loss_chunk=loss_chunk)
-    chosen = {k: v for k, v in best.items() if k != "cost"}
-    return MemoryEstimate({**chosen, "budget_mb": round(budget_bytes / MB, 3), "candidates": len(found),
-                           **{k: v for k, v in est.items() if k not in DATA_KEYS}})
+        return getattr(fit, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

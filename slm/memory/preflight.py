@@ -3,21 +3,24 @@ and decide whether the run fits the machine and --memory-budget. Pure Python: th
 step (slm.train.builder.compile_step) and hands the figures in, then runs that same executable, so
 pre-flight costs no extra compile.
 
-The predicted whole-run peak RSS is measured where it can be: the plan is made right after the compile,
-so the process's RSS then (`base_rss_mb`) already holds the runtime, the tokenizer, the eval set and what
-the compile left in the heap (a cached 20M step: 486 MB; compiled: 640). It is not less than the formula's
-runtime term (`framework_mb`): a step loaded from the compile cache left the heap small (the default 1M run,
-2026-11-25: 337 MB measured against 579 when compiled), and the eval, sampling and save that follow fill it
-anyway (that run peaked at 908 MB, predicted 764 from the measured base alone). On top of it: the data
-pipeline, on CPU every local device's compiled step (XLA's figure), the step slack and the checkpoint staging
-(slm/memory/estimate.py).
+The prediction is deterministic: the formula's runtime term (Python, JAX, the tokenizer, the eval set and
+the compiled programs, measured after the heap's free pages went back to the OS), the data pipeline, on CPU
+every local device's compiled step (XLA's figure), the step slack and the checkpoint staging
+(slm/memory/estimate.py). The RSS measured after the compile (`base_rss_mb`, taken after a malloc_trim) is
+shown beside it but decides nothing unless it is far above the formula (a notebook kernel holding data of
+its own): an RSS read moves by 100+ MB between runs, and a decision that hangs on it flips (issue 30: the
+same 20M command was refused once and fitted the next time).
+
+The checkpoint staging counts in full when steps run beside an asynchronous save; when saves wait for their
+write (`checkpoint_sync`), or the run ends before its first save, only what the save's copy adds over the
+step's temporaries counts. `settle_sync` turns waiting saves on when that copy is what does not fit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slm.memory.estimate import STEP_SLACK_MB, MemoryEstimate
+from slm.memory.estimate import MemoryEstimate
 from slm.memory.host import rss_mb
 
 
@@ -35,6 +38,9 @@ class MemoryPlan:
     limit_mb: float | None  # what the machine has (host RSS room on CPU, device bytes_limit elsewhere)
     budget_mb: float | None  # --memory-budget (x 0.9 under --auto-fit)
     base_rss_mb: float = field(default_factory=rss_mb)  # this process's RSS when the plan is made (after the compile)
+    staging_alone_mb: float = 0.0  # the staging's share when no step runs beside a save
+    saves_beside_steps: bool = True  # the run steps after a save (longer than --checkpoint-every, or time-bound)
+    checkpoint_sync: bool = False  # saves wait for their write
 
     @property
     def estimated_device_mb(self) -> float:
@@ -47,18 +53,32 @@ class MemoryPlan:
 
     @property
     def staging_mb(self) -> float:
-        """The checkpoint save's host copy of the state that the next step runs beside (the estimate's)."""
-        return self.estimate["checkpoint_staging_mb"]
+        """The checkpoint save's host copy of the state, as far as it adds to the peak (module docstring)."""
+        beside = self.saves_beside_steps and not self.checkpoint_sync
+        return self.estimate["checkpoint_staging_mb"] if beside else self.staging_alone_mb
 
     @property
     def runtime_mb(self) -> float:
-        """The measured base, at least the formula's runtime term (module docstring)."""
-        return max(self.base_rss_mb, self.estimate.get("framework_mb", 0.0))
+        """The formula's runtime term, or the measured RSS when that is far above it (module docstring)."""
+        formula = self.estimate.get("framework_mb", 0.0)
+        return self.base_rss_mb if self.base_rss_mb > 1.25 * formula + 100 else formula
+
+    def settle_sync(self, mode: str) -> None:
+        """--checkpoint-sync: on, off, or auto (on only when it turns a refusal into a fit)."""
+        self.checkpoint_sync = mode == "on"
+        if mode == "auto" and self.refusal is not None:
+            self.checkpoint_sync = True
+            if self.refusal is not None:
+                self.checkpoint_sync = False
 
     @property
     def estimated_peak_rss_mb(self) -> float:
         """The whole run's peak RSS: runtime + data pipeline + devices + step slack + checkpoint staging."""
-        return self.runtime_mb + self.data_mb + self.devices_mb + STEP_SLACK_MB + self.staging_mb
+        return self.runtime_mb + self.data_mb + self.devices_mb + self.slack_mb + self.staging_mb
+
+    @property
+    def slack_mb(self) -> float:
+        return self.estimate["step_slack_mb"]
 
     @property
     def what(self) -> str:
@@ -87,7 +107,7 @@ class MemoryPlan:
         return {"estimated_peak_rss_mb": round(self.estimated_peak_rss_mb, 1),
                 "estimated_device_mb": round(self.estimated_device_mb, 1),
                 "compiled_device_mb": round(self.compiled_device_mb, 1),
-                "base_rss_mb": round(self.base_rss_mb, 1),
+                "base_rss_mb": round(self.base_rss_mb, 1), "checkpoint_sync": self.checkpoint_sync,
                 "formula_peak_rss_mb": round(self.estimate["host_rss_mb"], 1)}
 
     def describe(self) -> list[str]:
@@ -97,12 +117,14 @@ class MemoryPlan:
                 "activations_mb", "logits_mb", "update_mb", "runtime_mb")  # base_*: a LoRA run's frozen base
         parts = ", ".join(f"{k[:-3].replace('_', ' ')} {e[k]:,.1f}" for k in keys if k in e)
         cpu = self.platform == "cpu"
+        saves = ("saves wait for their write" if self.checkpoint_sync else
+                 "saves in the background" + ("" if self.saves_beside_steps else ", none before the last step"))
         return [f"[memory] per device (MB, estimate): {parts}; total {e['device_total_mb']:,.1f} "
                 f"| XLA's compiled step: {self.compiled_device_mb:,.1f} MB/device x {self.devices} "
                 f"(compiled in {self.compile_s:.1f}s)",
                 f"[memory] predicted peak host RSS {self.estimated_peak_rss_mb:,.0f} MB (runtime "
-                f"{self.runtime_mb:,.0f}, now {self.base_rss_mb:,.0f} + data {self.data_mb:,.1f}"
+                f"{self.runtime_mb:,.0f} (measured now {self.base_rss_mb:,.0f}) + data {self.data_mb:,.1f}"
                 + (f" + devices {self.devices_mb:,.0f}" if cpu else "")
-                + f" + step {STEP_SLACK_MB:,.0f} + checkpoint staging {self.staging_mb:,.0f})"
+                + f" + step {self.slack_mb:,.0f} + checkpoint staging {self.staging_mb:,.0f}: {saves})"
                 + (f"; device memory {self.compiled_device_mb:,.0f} MB" if not cpu else "")
                 + (f"; available {self.limit_mb:,.0f} MB" if self.limit_mb else "")]

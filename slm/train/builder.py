@@ -151,12 +151,13 @@ def build(spec: StepSpec, mesh: Any) -> Built:
     return Built(spec, model, tx, mesh, state_sharding, shardings(mesh)[1], abstract, base_abstract, base_sharding)
 
 
-def training_mesh(batch_size: int, devices_chosen: bool) -> Any:
+def training_mesh(batch_size: int, devices_chosen: bool, max_devices: int | None = None) -> Any:
     """The data mesh for a global micro-batch. The trainer makes up one host device per core for speed,
-    and uses as many of those as divide the batch; any other device count (several processes, an
-    accelerator, --cpu-devices) is the user's, and a batch that does not divide over it is an error."""
+    and uses as many of those as divide the batch (at most `max_devices`: --auto-fit's choice); any other
+    device count (several processes, an accelerator, --cpu-devices) is the user's, and a batch that does not
+    divide over it is an error."""
     strict = jax.process_count() > 1 or jax.devices()[0].platform != "cpu" or devices_chosen
-    return data_mesh(batch_size, strict=strict)
+    return data_mesh(batch_size, None if strict else max_devices, strict=strict)
 
 
 def compiled_memory(jitted: Any, *args: Any) -> dict:

@@ -27,7 +27,7 @@ from slm.data.mixture import mixture_summary
 from slm.io.checkpoints import Checkpointer
 from slm.io.metrics import MetricsLog
 from slm.io.tracking import Trackers, plot_loss
-from slm.memory.host import rss_mb
+from slm.memory.host import release_free_heap, rss_mb
 from slm.train.devices import Processes
 from slm.train.evaluate import Evaluator
 from slm.train.interrupts import SignalWatcher, stop_requested
@@ -183,6 +183,7 @@ class Evaluate(Callback):
         self.emit(row, f"eval step {run.step} | loss {loss:.4f} | ppl {row['eval_ppl']:.2f} | bpb {row['eval_bpb']:.4f} "
                        f"| sample: {sample[:80]!r}")
         self.plot()
+        release_free_heap()  # the eval and sampling programs' compile leftovers: not kept beside the next steps
         spent = self.clock() - t0
         run.timings.eval_s += spent
         run.throughput.pause(spent)  # keep eval time out of the next interval's tokens/s
@@ -218,6 +219,8 @@ class SaveCheckpoints(Callback):
     def on_step(self, run: RunState) -> None:
         if run.due.save:
             self.save(run)
+        else:
+            self.ckpt.poll()
 
     def on_train_end(self, run: RunState) -> None:
         if self.ckpt.latest_step() != run.step and not run.nonfinite_stop:

@@ -108,6 +108,7 @@ class Config:
     log_every: int = setting(10, "Log a metrics row every N optimizer steps", ADJUSTABLE, "steps")
     checkpoint_every: int = setting(1000, "Save a checkpoint every N optimizer steps, and at the end", ADJUSTABLE, "steps")
     checkpoint_minutes: float | None = setting(None, "Also save a checkpoint every M minutes of wall time", ADJUSTABLE, "minutes", unset="off")
+    checkpoint_sync: str = setting("auto", "on: each save waits for its write before training goes on, so no step runs beside the save's copy of the state; off: saves write in the background; auto: on only when that copy is what does not fit --memory-budget or the machine", ADJUSTABLE, choices=("auto", "on", "off"))
     keep_checkpoints: int = setting(3, "Keep the newest N checkpoints plus the best by eval loss (the newest is never deleted)", ADJUSTABLE, "checkpoints")
     skip_nonfinite: int = setting(0, "Skip up to N steps whose loss or gradient is NaN/Inf (each logged) before stopping the run", ADJUSTABLE, "steps")
     output_dir: str | None = setting(None, "Where outputs go (default: a new folder under runs/)", PER_RUN)
@@ -118,7 +119,7 @@ class Config:
     process_id: int | None = setting(None, "Several processes: this one's index, 0 to --num-processes - 1 (process 0 writes logs, samples and summary)", LAUNCH, unset="off")
     # memory
     memory_budget: str | None = setting(None, "Refuse to start (exit 2) if the predicted peak exceeds this, e.g. 8GB: host RSS on CPU, device memory on an accelerator", ADJUSTABLE, "bytes (8GB, 512MB)", unset="off")
-    auto_fit: bool = setting(False, "With --memory-budget: pick micro-batch, accumulation, 8-bit state, mixed precision and remat to fit, keeping the effective batch", PER_RUN)
+    auto_fit: bool = setting(False, "With --memory-budget: the fastest setting predicted to fit, keeping the effective batch: micro-batch x accumulation, host devices, 8-bit state, mixed precision, remat and checkpoint saves that wait for their write", PER_RUN)
     preset: str | None = setting(None, "limited-ram, medium-ram, high-ram, tpu or auto: the guide's settings for that hardware; explicit flags win", PER_RUN, unset="off")
     resume: str | None = setting(None, "Continue a run exactly (model, optimizer, schedule, data stream) from its newest checkpoint: --resume with --output-dir, or --resume RUN_DIR", PER_RUN, unset="off", optional_value="latest")
     memory_alert_mb: float | None = setting(None, "Print a warning each time host RSS crosses this many MB", ADJUSTABLE, "MB", unset="off")

@@ -32,9 +32,10 @@ from slm.data.tokenizer import (
 )
 from slm.errors import ConfigError, DatasetError
 from slm.io.tracking import require_wandb
-from slm.memory.estimate import estimate_memory_usage, fit_candidates, parse_size
+from slm.memory.estimate import estimate_memory_usage, parse_size
+from slm.memory.fit import fit_candidates, smallest_setting
 from slm.memory.finetune import Finetune
-from slm.memory.host import available_host_mb, total_ram_gb
+from slm.memory.host import available_host_mb, release_free_heap, total_ram_gb
 from slm.memory.preflight import MemoryPlan
 from slm.model.matmul import default_matmul_precision
 from slm.model.sizing import (
@@ -308,38 +309,61 @@ FIT_KEYS = ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "
             "gradient_checkpointing")
 
 
-def fit_choices(c: Config, data: TrainData, procs: Processes) -> list[dict]:
-    """--auto-fit's candidates (process 0's, since each host reads its own free memory); [{}] without it."""
+def saves_beside_steps(c: Config) -> bool:
+    """Whether a step runs after a checkpoint save: not when the run ends within its first --checkpoint-every."""
+    return c.max_steps is None or c.max_steps > c.checkpoint_every or c.checkpoint_minutes is not None
+
+
+def fit_choices(c: Config, data: TrainData, procs: Processes, chunk_lever: bool = False) -> list[dict]:
+    """--auto-fit's candidates, fastest first (process 0's, since each host reads its own free memory); [{}]
+    without it."""
     import jax
 
     if not c.auto_fit:
         return [{}]
     platform = jax.devices()[0].platform
+    limit = available_host_mb() if platform == "cpu" else None
+    budget = min(parse_size(c.memory_budget), int(limit * 2**20)) if limit else parse_size(c.memory_budget)
+    strict = procs.count > 1 or platform != "cpu" or bool(c.cpu_devices)  # devices the user chose: all of them
+    common = dict(platform=platform, data_mb=data.data_mb, optimizer=c.optimizer, loss_chunk=c.loss_chunk,
+                  finetune=finetune_of(c))
 
     def candidates() -> list[dict]:
-        budget = parse_size(c.memory_budget)
-        limit = available_host_mb() if platform == "cpu" else None
-        return fit_candidates(data.shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps,
-                              min(budget, int(limit * 2**20)) if limit else budget, max_devices=len(jax.devices()),
-                              platform=platform, data_mb=data.data_mb,
-                              user=(c.use_8bit_optimizer, c.use_mixed_precision, c.gradient_checkpointing),
-                              finetune=finetune_of(c), optimizer=c.optimizer, loss_chunk=c.loss_chunk)
+        found = fit_candidates(data.shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, budget,
+                               max_devices=len(jax.devices()),
+                               user=(c.use_8bit_optimizer, c.use_mixed_precision, c.gradient_checkpointing),
+                               checkpoint_sync=c.checkpoint_sync, saves_beside_steps=saves_beside_steps(c),
+                               peak_flops=fit_peak_flops(c, platform), chunk_lever=chunk_lever, **common)
+        return [f for f in found if not strict or f["devices"] == len(jax.devices())]
 
     choices = procs.decide0(candidates)
     if not choices:
-        raise ConfigError(f"--auto-fit: nothing fits --memory-budget {c.memory_budget} for this model "
-                          f"({count_params(data.shape):,} params) at --seq-len {c.seq_len}; raise the budget or "
-                          f"lower --target-params / --seq-len")
+        what, peak = smallest_setting(data.shape, c.seq_len, **common)
+        raise ConfigError(f"--auto-fit: nothing fits --memory-budget {c.memory_budget} with a 10% margin for this "
+                          f"model ({count_params(data.shape):,} params) at --seq-len {c.seq_len}: the smallest setting "
+                          f"({what}) needs ~{peak:,.0f} MB; raise the budget or lower --target-params / --seq-len")
     return choices
 
 
+def fit_peak_flops(c: Config, platform: str) -> float | None:
+    """The host's peak FLOP/s for auto-fit's expected tokens/s (CPU: measured once, remembered; shown only,
+    the ranking does not use it)."""
+    import jax
+
+    from slm.train.throughput import device_peak_flops
+
+    peak, _ = device_peak_flops(jax.devices()[0], c.matmul_precision)
+    return peak * (1 if platform == "cpu" else len(jax.devices())) if peak == peak else None
+
+
 def plan_step(c: Config, data: TrainData, procs: Processes, log: Log) -> tuple[Any, Any, MemoryPlan]:
-    """Compile the step for the user's settings (or, under --auto-fit, the best candidates until XLA agrees
+    """Compile the step for the user's settings (or, under --auto-fit, the fastest candidates until XLA agrees
     one fits) and check it against the machine and --memory-budget. Returns (built, compiled, plan); `c`
     takes the chosen settings."""
     configure_cpu_devices(c.cpu_devices)  # before jax's backend starts: it is first imported here
     enable_compile_cache()
     c.matmul_precision = c.matmul_precision or default_matmul_precision()
+    chunk_given = c.loss_chunk is not None
     if c.loss_chunk is None:
         import jax
 
@@ -347,13 +371,14 @@ def plan_step(c: Config, data: TrainData, procs: Processes, log: Log) -> tuple[A
     from slm.train.builder import StepSpec, build, training_mesh
 
     budget = parse_size(c.memory_budget) / 2**20 if c.memory_budget else None
-    choices = fit_choices(c, data, procs)
+    choices = fit_choices(c, data, procs, chunk_lever=not chunk_given)
     for i, choice in enumerate(choices[:4]):  # XLA has the last word: compile and check the best few
-        for k in FIT_KEYS:
+        for k in FIT_KEYS + ("loss_chunk",):
             setattr(c, k, choice.get(k, getattr(c, k)))
         built = build(StepSpec.from_config(c, data.shape, doc_start(c, data)),
-                      training_mesh(c.batch_size, bool(c.cpu_devices)))
+                      training_mesh(c.batch_size, bool(c.cpu_devices), choice.get("devices")))
         compiled, plan = memory_plan(c, built, data, budget * 0.9 if c.auto_fit and budget else budget)
+        plan.settle_sync(("on" if choice["checkpoint_sync"] else "off") if choice else c.checkpoint_sync)
         refusal = next((r for r in procs.gather(plan.refusal) if r), None)  # one host's refusal is everyone's
         if refusal is None:
             break
@@ -362,17 +387,49 @@ def plan_step(c: Config, data: TrainData, procs: Processes, log: Log) -> tuple[A
                 log(line)
             raise ConfigError(refusal)
     else:
-        raise ConfigError(f"--auto-fit: none of the {i + 1} best candidates fits once compiled (last: "
+        raise ConfigError(f"--auto-fit: none of the {i + 1} fastest candidates fits once compiled (last: "
                           f"{refusal}); raise the budget or lower --target-params / --seq-len")
     if c.auto_fit:
-        on = {True: "on", False: "off"}
-        log(f"[auto-fit] --memory-budget {c.memory_budget}: micro-batch {c.batch_size} x accumulation "
-            f"{c.gradient_accumulation_steps} (effective batch kept), 8-bit state {on[c.use_8bit_optimizer]}, "
-            f"mixed precision {on[c.use_mixed_precision]}, gradient checkpointing {on[c.gradient_checkpointing]}: "
-            f"the cheapest setting (speed) predicted to fit with a 10% margin ({i + 1} compiled to confirm)")
+        for line in fit_report(c, choices, i, plan):
+            log(line)
+        if plan.platform == "cpu" and not c.cpu_devices and plan.devices < len(jax_devices()):
+            c.cpu_devices = plan.devices  # recorded in config.json: a resumed run makes the same devices
     for line in plan.describe():
         log(line)
     return built, compiled, plan
+
+
+def jax_devices() -> list:
+    import jax
+
+    return jax.devices()
+
+
+def fit_report(c: Config, choices: list[dict], i: int, plan: MemoryPlan) -> list[str]:
+    """--auto-fit's decision, before step 1: the setting, its predicted peak against the budget, the expected
+    speed, and the runner-up."""
+    on = {True: "on", False: "off"}
+
+    def setting(f: dict) -> str:
+        return (f"micro-batch {f['batch_size']} x accumulation {f['gradient_accumulation_steps']} on "
+                f"{f['devices']} device(s), 8-bit state {on[f['use_8bit_optimizer']]}, bf16 "
+                f"{on[f['use_mixed_precision']]}, remat {on[f['gradient_checkpointing']]}, saves "
+                f"{'wait' if f['checkpoint_sync'] else 'in the background'}"
+                + (f", loss over {f['loss_chunk']}-entry chunks" if f.get("loss_chunk") else ""))
+
+    def speed(f: dict) -> str:
+        return f"~{f['tokens_per_s']:,.0f} tokens/s expected" if "tokens_per_s" in f else f"speed {f['speed']:.2f}"
+
+    chosen, rest = choices[i], choices[i + 1:]
+    lines = [f"[auto-fit] --memory-budget {c.memory_budget}: {len(choices)} settings keep the effective batch of "
+             f"{c.batch_size * c.gradient_accumulation_steps} x {c.seq_len} tokens and are predicted to fit with a "
+             f"10% margin; the fastest predicted is chosen" + (f" ({i} faster ones did not fit once compiled)" if i else ""),
+             f"[auto-fit] chosen: {setting(chosen)}: predicted peak {plan.predicted_peak_mb:,.0f} MB of "
+             f"{parse_size(c.memory_budget) / 2**20:,.0f} MB ({plan.what}, XLA's compiled step), {speed(chosen)}"]
+    if rest:
+        lines.append(f"[auto-fit] runner-up: {setting(rest[0])}: predicted peak {rest[0]['predicted_peak_mb']:,.0f} "
+                     f"MB, {speed(rest[0])}")
+    return lines
 
 
 def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None) -> tuple[Any, MemoryPlan]:
@@ -383,6 +440,7 @@ def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None)
     from slm.train.builder import compile_step
 
     compiled, compile_s, compiled_mb = compile_step(built)
+    release_free_heap()  # the compiler's freed memory: back to the OS, so the RSS measured next is the runtime's
     mesh = built.mesh
     n_dev, platform = int(mesh.devices.size), mesh.devices.flat[0].platform
     lora = {} if c.lora_rank is None else {"model": data.shape, "lora_rank": c.lora_rank, "base_dtype": c.base_dtype,
@@ -393,6 +451,12 @@ def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None)
                                 gradient_checkpointing=c.gradient_checkpointing, streaming=c.use_streaming,
                                 devices=n_dev, platform=platform, sharding=c.sharding, optimizer=c.optimizer,
                                 loss_chunk=c.loss_chunk, **lora)
+    alone = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size, shape=None if lora else data.shape,
+                                  mixed_precision=c.use_mixed_precision, use_8bit_optimizer=c.use_8bit_optimizer,
+                                  gradient_accumulation_steps=c.gradient_accumulation_steps,
+                                  gradient_checkpointing=c.gradient_checkpointing, streaming=c.use_streaming,
+                                  devices=n_dev, platform=platform, sharding=c.sharding, optimizer=c.optimizer,
+                                  loss_chunk=c.loss_chunk, checkpoint_sync=True, **lora)["checkpoint_staging_mb"]
     est["data_pipeline_mb"] = round(data.data_mb, 3)
     if platform == "cpu":
         limit = available_host_mb()
@@ -400,4 +464,5 @@ def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None)
         stats = mesh.devices.flat[0].memory_stats() or {}
         limit = stats["bytes_limit"] / 2**20 if "bytes_limit" in stats else None
     local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())  # this host's share
-    return compiled, MemoryPlan(est, compiled_mb, compile_s, platform, n_dev, local, data.data_mb, limit, budget_mb)
+    return compiled, MemoryPlan(est, compiled_mb, compile_s, platform, n_dev, local, data.data_mb, limit, budget_mb,
+                                staging_alone_mb=alone, saves_beside_steps=saves_beside_steps(c))

@@ -196,7 +196,8 @@ def _train(c: Config, data: TrainData, built: Any, handed: list, plan: MemoryPla
     peak = peak_flops(mesh, procs, c.matmul_precision)  # resolved by plan_step
     facts, resolved = write_config(c, data, built, plan, (state, base), lplan, peak, env)
     assert sum(x.size for x in jax.tree.leaves(state.params)) == facts.trainable_params
-    ckpt = Checkpointer(os.path.join(env.out, "checkpoints"), keep=c.keep_checkpoints, log=env.log)
+    ckpt = Checkpointer(os.path.join(env.out, "checkpoints"), keep=c.keep_checkpoints, log=env.log,
+                        sync=plan.checkpoint_sync)
     env.stack.callback(ckpt.close)
     check_disk(c, env, state)
     run, resumed = restore(c, ckpt, state, estimated_total_tokens(c, data), env)

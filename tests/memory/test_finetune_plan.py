@@ -69,10 +69,12 @@ def test_planner_changes_the_base_dtype_only_when_allowed():
     both = fit_candidates(shape, 512, 2, 8, 24 << 30, max_devices=1, platform="gpu", data_mb=11.3, finetune=ft,
                           base_dtypes=("bfloat16",))
     assert {c["base_dtype"] for c in both} == {"float16", "bfloat16"} and len(both) > len(kept)
-    # The user's own setting comes first when it fits.
+    # The fastest predicted comes first (on an accelerator the largest micro-batch that fits);
+    # the user's own setting is among the candidates and wins only a near tie.
     own = fit_candidates(shape, 256, 1, 16, 24 << 30, max_devices=1, platform="gpu", data_mb=11.3,
                          finetune=Finetune(16, ("q_proj", "v_proj"), "float16"), user=(False, True, True))
-    assert own[0]["batch_size"] == 1 and own[0]["gradient_checkpointing"] and own[0]["base_dtype"] == "float16"
+    assert own[0]["batch_size"] == max(c["batch_size"] for c in own) > 1
+    assert any(c["batch_size"] == 1 and c["gradient_checkpointing"] and c["use_mixed_precision"] for c in own)
     with pytest.raises(ConfigError, match="nothing fits 8GB"):
         fit_to_budget("8GB", 512, 2, 8, model=MISTRAL, lora_rank=16, base_dtype="float16")
 

@@ -59,7 +59,8 @@ def test_auto_fit_keeps_the_effective_batch_and_fits_xla_figure(tmp_path, data_d
 def test_auto_fit_errors_when_nothing_fits(tmp_path, data_dir):
     from slm.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--auto-fit: nothing fits --memory-budget 200MB"):
+    with pytest.raises(ConfigError, match=r"--auto-fit: nothing fits --memory-budget 200MB .* the smallest setting "
+                                          r"\(micro-batch 1 on one device.*\) needs ~[\d,]+ MB"):
         train(_config(data_dir, tmp_path / "nofit", memory_budget="200MB", auto_fit=True), log=lambda *_: None)
 
 
