@@ -88,7 +88,7 @@ def main() -> None:
     ints = lambda s: [bool(int(x)) for x in s.split(",")]  # noqa: E731
     settings = [(m, d, r, e) for m in micros for d in map(int, a.devices.split(",")) if m % d == 0
                 for r in ints(a.remat) for e in ints(a.eight) if d <= len(jax.devices())]
-    model = {}
+    model, chosen = {}, None
     if a.budget:
         found = fit_candidates(shape, a.seq_len, eff, 1, parse_size(a.budget), max_devices=len(jax.devices()),
                                platform="cpu", data_mb=10.0, optimizer="muon", saves_beside_steps=not a.short,
@@ -111,12 +111,12 @@ def main() -> None:
     print(f"{count_params(shape):,} params, seq {a.seq_len}, effective batch {eff}, {len(settings)} settings")
     for m, d, r, e, *x in settings:
         res = time_setting(shape, a.seq_len, m, d, eff // m, r, e, a.repeats, bool(x and x[0]))
+        pred = chosen if x else model.get((m, d, r, e))
         res.update(params=a.target_params, seq=a.seq_len, batch=eff, host=jax.devices()[0].device_kind,
                    budget=a.budget, model_speed=pred["speed"] if pred else None,
                    chosen=bool(a.budget) and chosen is not None and (m, d, r, e, bool(x)) == (
                        chosen["batch_size"], chosen["devices"], chosen["gradient_checkpointing"],
                        chosen["use_8bit_optimizer"], chosen["use_mixed_precision"]))
-        pred = chosen if x else model.get((m, d, r, e))
         extra = f" | model speed {pred['speed']:.3f}, peak {pred['predicted_peak_mb']:,.0f} MB" if pred else ""
         print(f"micro {m:>3} x acc {eff // m:>3} on {d} dev remat {int(r)} 8bit {int(e)}{' bf16' if x else ''}: "
               f"{res['tokens_per_s']:8,.0f} tok/s ({res['micro_step_s'] * 1e3:,.0f} ms/micro-step, "

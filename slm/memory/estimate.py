@@ -176,7 +176,8 @@ def device_breakdown(
             "activations": activations,
             "logits": logits,
         }
-    out["update"] = update_bytes(shape, n, bool(use_8bit_optimizer), optimizer if finetune is None else "adamw",
+    lora = finetune is not None and finetune.lora_rank is not None
+    out["update"] = update_bytes(shape, n, bool(use_8bit_optimizer), "adamw" if lora else optimizer,
                                  1 if fsdp else devices)
     if platform != "cpu":
         out["runtime"] = int(GPU_RUNTIME_MB * MB)
@@ -324,7 +325,7 @@ def estimate_memory_usage(
     lora_rank: int | None = None,
     lora_targets: tuple[str, ...] | list[str] = ("q_proj", "v_proj"),
     base_dtype: str = "float32",
-    optimizer: str = "adamw",
+    optimizer: str | None = None,
     loss_chunk: int | None = None,
     checkpoint_sync: bool = False,
 ) -> dict:
@@ -350,7 +351,8 @@ def estimate_memory_usage(
     frozen base held in `base_dtype` (slm/memory/finetune.py): the breakdown gains base_params_mb and
     base_casts_mb, params/gradients/optimizer state are the adapters', and `trainable_params` and
     `model_params` are added. `platform="gpu"` adds runtime_mb (the CUDA context) to the device total.
-    `optimizer="muon"`: Muon's one momentum on the hidden matrices instead of Adam's two (slm/optim/muon.py);
+    `optimizer`: the trainer's default unless given: "muon" (Muon's one momentum on the hidden matrices
+    instead of Adam's two, and its Newton-Schulz temporaries: slm/optim/muon.py), "adamw" with LoRA;
     `loss_chunk`: --loss-chunk (None: its default with float32 products). `checkpoint_sync`: saves wait for
     their write (or the run ends before its first save), so no step runs beside the save's copy of the state
     (host_breakdown's `save_alone`). Prints as a table, also in notebooks.
@@ -364,6 +366,7 @@ def estimate_memory_usage(
     elif shape is None:
         shape = choose_shape(target_params, vocab_size or default_vocab_size(target_params))
     finetune = Finetune(lora_rank, tuple(lora_targets), base_dtype) if model is not None or lora_rank else None
+    optimizer = optimizer or ("adamw" if lora_rank else "muon")
     if finetune is not None:
         out["model_params"] = count_params(shape)
         out["trainable_params"] = finetune.trainable_params(shape)

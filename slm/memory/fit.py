@@ -24,6 +24,7 @@ On accelerators the rule is the usual one: the largest micro-batch, all devices,
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 
 from slm.errors import ConfigError
@@ -43,7 +44,10 @@ T0_PER_PARAM, T0_MIN, T1 = 4.6e-6, 64.0, 24_500.0  # tokens per device: fixed-co
 CPU_DEVICE_GAIN, CPU_DEVICE_MIN_TOKENS = 1.2, 1024
 CPU_COST = {"remat": 1.3, "mixed": 1.3, "eight": 1.03, "sync": 1.01}
 ACCEL_COST = {"remat": 1.3, "mixed": 1 / 1.3, "eight": 1.03, "sync": 1.01}
-CPU_EFFICIENCY = 0.6  # tokens/s = speed x this x peak FLOP/s / FLOPs per token: 0.61-0.63 at 20M, 0.9 at 50M (shown only)
+def cpu_efficiency(params: int) -> float:
+    """tokens/s = speed x this x peak FLOP/s / FLOPs per token on CPU: 0.35 at 10M (seq 512), 0.62 at 20M and 0.90
+    at 50M (seq 256) measured on a 2-core AMD EPYC, larger models running larger products; shown, never ranked by."""
+    return min(0.95, max(0.1, 0.34 * math.log(params / 1e6) - 0.43))
 USER_BONUS = 1.05  # the user's own setting wins against one predicted within 5% of it
 
 
@@ -101,6 +105,7 @@ def fit_candidates(
     dtypes = (own,) + tuple(d for d in base_dtypes if d != own) if finetune is not None else (own,)
     syncs = {"auto": (False, True), "on": (True,), "off": (False,)}[checkpoint_sync]
     per_token, n = flops_per_token(shape, seq_len), count_params(shape)
+    efficiency = cpu_efficiency(n) if platform == "cpu" else 0.4  # an accelerator's MFU, roughly
     whole = loss_chunk is not None and (loss_chunk == 0 or loss_chunk >= shape.vocab_size)
     chunks = (loss_chunk, 512) if chunk_lever and whole and shape.vocab_size > 512 else (loss_chunk,)
     out = []
@@ -129,7 +134,7 @@ def fit_candidates(
                                 "gradient_checkpointing": remat, "checkpoint_sync": sync,
                                 "predicted_peak_mb": peak / MB, "speed": speed,
                                 "rank": speed * (USER_BONUS if mine else 1.0),
-                                **({"tokens_per_s": speed * CPU_EFFICIENCY * peak_flops / per_token} if peak_flops else {}),
+                                **({"tokens_per_s": speed * efficiency * peak_flops / per_token} if peak_flops else {}),
                                 **({"loss_chunk": chunk} if len(chunks) > 1 else {}),
                                 **({"base_dtype": dtype} if finetune is not None else {})})
     return sorted(out, key=lambda c: (-c["rank"], c["predicted_peak_mb"]))
@@ -167,7 +172,7 @@ def fit_to_budget(
     devices: int = 1,
     margin: float = 0.10,
     loss_chunk: int | None = None,
-    optimizer: str = "adamw",
+    optimizer: str | None = None,
 ) -> MemoryEstimate:
     """--auto-fit from a notebook, before any download: the setting predicted fastest among those that keep
     the effective batch (batch_size x gradient_accumulation_steps sequences of seq_len) and fit `budget`
@@ -177,7 +182,7 @@ def fit_to_budget(
     8-bit state, mixed precision, saves that wait for their write; the settings given here win ties), and for
     LoRA the base dtype too, but only among `base_dtype` and the `allow_base_dtypes` you name. The model is
     `model` (a config.json, its folder or dict: fine-tuning, LoRA with `lora_rank`) or `target_params`;
-    `loss_chunk` as estimate_memory_usage's. Returns the chosen settings, "budget_mb", "candidates" (how many
+    `loss_chunk` and `optimizer` as estimate_memory_usage's. Returns the chosen settings, "budget_mb", "candidates" (how many
     fit), "runner_up" and the choice's estimate_memory_usage figures; raises ConfigError naming the smallest
     setting and its predicted peak when nothing fits. The trainer's --auto-fit then confirms by compiling.
     """
@@ -185,6 +190,7 @@ def fit_to_budget(
     shape = model_shape(model) if model is not None else choose_shape(
         target_params, vocab_size or default_vocab_size(target_params))
     finetune = Finetune(lora_rank, tuple(lora_targets), base_dtype) if model is not None or lora_rank else None
+    optimizer = optimizer or ("adamw" if lora_rank else "muon")  # the trainer's default
     data_mb = estimate_memory_usage(0, seq_len, batch_size)["streaming_mb"]
     found = fit_candidates(shape, seq_len, batch_size, gradient_accumulation_steps, budget_bytes, max_devices=devices,
                            platform=platform, data_mb=data_mb, margin=margin,

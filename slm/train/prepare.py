@@ -445,18 +445,13 @@ def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None)
     n_dev, platform = int(mesh.devices.size), mesh.devices.flat[0].platform
     lora = {} if c.lora_rank is None else {"model": data.shape, "lora_rank": c.lora_rank, "base_dtype": c.base_dtype,
                                            "lora_targets": lora_target_list(c.lora_targets)}
-    est = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size, shape=None if lora else data.shape,
-                                mixed_precision=c.use_mixed_precision, use_8bit_optimizer=c.use_8bit_optimizer,
-                                gradient_accumulation_steps=c.gradient_accumulation_steps,
-                                gradient_checkpointing=c.gradient_checkpointing, streaming=c.use_streaming,
-                                devices=n_dev, platform=platform, sharding=c.sharding, optimizer=c.optimizer,
-                                loss_chunk=c.loss_chunk, **lora)
-    alone = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size, shape=None if lora else data.shape,
-                                  mixed_precision=c.use_mixed_precision, use_8bit_optimizer=c.use_8bit_optimizer,
-                                  gradient_accumulation_steps=c.gradient_accumulation_steps,
-                                  gradient_checkpointing=c.gradient_checkpointing, streaming=c.use_streaming,
-                                  devices=n_dev, platform=platform, sharding=c.sharding, optimizer=c.optimizer,
-                                  loss_chunk=c.loss_chunk, checkpoint_sync=True, **lora)["checkpoint_staging_mb"]
+    estimate = dict(shape=None if lora else data.shape, mixed_precision=c.use_mixed_precision,
+                    use_8bit_optimizer=c.use_8bit_optimizer, gradient_accumulation_steps=c.gradient_accumulation_steps,
+                    gradient_checkpointing=c.gradient_checkpointing, streaming=c.use_streaming, devices=n_dev,
+                    platform=platform, sharding=c.sharding, optimizer=c.optimizer, loss_chunk=c.loss_chunk, **lora)
+    est = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size, **estimate)
+    alone = estimate_memory_usage(0, c.seq_len, c.batch_size, c.shuffle_buffer_size, checkpoint_sync=True,
+                                  **estimate)["checkpoint_staging_mb"]  # no step beside a save
     est["data_pipeline_mb"] = round(data.data_mb, 3)
     if platform == "cpu":
         limit = available_host_mb()

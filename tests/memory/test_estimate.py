@@ -35,7 +35,7 @@ def test_seed_call_and_keys_unchanged():
 def test_whole_run_breakdown_arithmetic():
     shape = choose_shape(1_000_000, default_vocab_size(1_000_000))  # the vocabulary the estimate assumes
     n = count_params(shape)
-    e = estimate_memory_usage(1000, 128, 32, target_params=1_000_000)
+    e = estimate_memory_usage(1000, 128, 32, target_params=1_000_000, optimizer="adamw")
     assert e["params_mb"] == round(4 * n / MB, 3) and e["gradients_mb"] == e["params_mb"]
     assert abs(e["optimizer_state_mb"] - 8 * n / MB) < 0.01 and e["accumulation_mb"] == 0
     parts = ("params_mb", "gradients_mb", "optimizer_state_mb", "accumulation_mb", "activations_mb", "logits_mb")
