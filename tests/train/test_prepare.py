@@ -53,7 +53,12 @@ def test_auto_fit_keeps_the_effective_batch_and_fits_xla_figure(tmp_path, data_d
     assert cfg["batch_size"] < 64 or cfg["use_8bit_optimizer"] or cfg["gradient_checkpointing"]
     assert s["estimated_peak_rss_mb"] <= 0.9 * budget_mb  # from XLA's compiled step, with the 10% margin
     assert s["peak_rss_mb"] <= budget_mb  # the promise itself: measured in the fresh process (VmHWM, not its parent's)
-    assert any(line.startswith("[auto-fit]") for line in r.stdout.splitlines())
+    fit = [line for line in r.stdout.splitlines() if line.startswith("[auto-fit]")]
+    chosen = next(line for line in fit if line.startswith("[auto-fit] chosen: "))  # the block before step 1
+    assert f"micro-batch {cfg['batch_size']} x accumulation {cfg['gradient_accumulation_steps']}" in chosen
+    assert f"predicted peak {s['estimated_peak_rss_mb']:,.0f} MB of {budget_mb:,} MB" in chosen
+    assert "tokens/s expected" in chosen and any(line.startswith("[auto-fit] runner-up: ") for line in fit)
+    assert s["checkpoint_sync"] in (True, False)
 
 
 def test_auto_fit_errors_when_nothing_fits(tmp_path, data_dir):
