@@ -98,26 +98,28 @@ def _silent(*args: Any, **kwargs: Any) -> None:
     pass
 
 
-def make_output_dir(c: Config) -> str:
-    """--output-dir (refused if it holds another run, unless resuming), or a new runs/<timestamp>."""
+def make_output_dir(c: Config, log: Log = print) -> tuple[str, Any]:
+    """--output-dir (refused if it holds another run, unless resuming), or a new runs/<timestamp>, and its
+    slm.io.runlock.RunLock, taken before anything is written there: (dir, lock). A live run's directory is
+    refused, naming the trainer that owns it."""
+    from slm.io.runlock import RunLock
+
     out = c.output_dir
     if out is None:
         out = base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
         n = 1
         while os.path.exists(out):  # two runs started in the same second
             out, n = f"{base}-{n}", n + 1
-    elif os.path.exists(os.path.join(out, "config.json")) and not c.resume:
-        raise ConfigError(f"--output-dir {out}: already holds a run (config.json); choose a new directory "
-                          f"so nothing saved there is overwritten")
     try:
         os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, ".write-test")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        lock = RunLock(out, log)  # creating the lock file is the writability test
     except OSError as e:
         raise ConfigError(f"--output-dir {out}: not writable ({e.strerror}); choose another directory")
-    return out
+    if os.path.exists(os.path.join(out, "config.json")) and not c.resume:
+        lock.release()
+        raise ConfigError(f"--output-dir {out}: already holds a run (config.json); choose a new directory "
+                          f"so nothing saved there is overwritten")
+    return out, lock
 
 
 @dataclass

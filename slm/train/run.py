@@ -86,10 +86,20 @@ def train(config: Config, start_time: float | None = None, log: Log = print, exp
     c, procs = settle_config(c, explicit, log)
     if not procs.primary:
         log = _silent  # one process speaks for all
-    # Process 0 makes (or checks) the output dir; every process learns its name, or the error.
-    out = procs.decide0(lambda: os.path.abspath(make_output_dir(c)) if procs.count > 1 else make_output_dir(c))
-    os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
+    # Process 0 makes (or checks) the output dir and takes its lock for all; every process learns its name,
+    # or the error.
+    locks = []
+
+    def make_dir() -> str:
+        out, lock = make_output_dir(c, log)
+        locks.append(lock)
+        return os.path.abspath(out) if procs.count > 1 else out
+
+    out = procs.decide0(make_dir)
     with ExitStack() as stack:
+        for lock in locks:
+            stack.callback(lock.release)
+        os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
         monitor = stack.enter_context(MemoryMonitor(alert_mb=c.memory_alert_mb, on_alert=log))  # RSS from here on
         signals = signals if signals is not None else stack.enter_context(SignalWatcher(log))
         env = Env(out, start, log, procs, signals, clock, disk_usage, monitor, stack)
