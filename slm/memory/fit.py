@@ -44,11 +44,13 @@ T0_PER_PARAM, T0_MIN, T1 = 4.6e-6, 64.0, 24_500.0  # tokens per device: fixed-co
 CPU_DEVICE_GAIN, CPU_DEVICE_MIN_TOKENS = 1.2, 1024
 CPU_COST = {"remat": 1.3, "mixed": 1.3, "eight": 1.03, "sync": 1.01}
 ACCEL_COST = {"remat": 1.3, "mixed": 1 / 1.3, "eight": 1.03, "sync": 1.01}
+USER_BONUS = 1.05  # the user's own setting wins against one predicted within 5% of it
+
+
 def cpu_efficiency(params: int) -> float:
     """tokens/s = speed x this x peak FLOP/s / FLOPs per token on CPU: 0.35 at 10M (seq 512), 0.62 at 20M and 0.90
     at 50M (seq 256) measured on a 2-core AMD EPYC, larger models running larger products; shown, never ranked by."""
     return min(0.95, max(0.1, 0.34 * math.log(params / 1e6) - 0.43))
-USER_BONUS = 1.05  # the user's own setting wins against one predicted within 5% of it
 
 
 def relative_speed(seq_len: int, micro_per_device: int, devices: int, *, params: int, platform: str = "cpu",
@@ -85,7 +87,6 @@ def fit_candidates(
     loss_chunk: int | None = None,
     checkpoint_sync: str = "auto",
     saves_beside_steps: bool = True,
-    user_devices: int | None = None,
     peak_flops: float | None = None,
     chunk_lever: bool = False,
 ) -> list[dict]:
@@ -98,7 +99,8 @@ def fit_candidates(
     base_dtype (`finetune.base_dtype` or one of `base_dtypes`), predicted_peak_mb, speed (relative_speed) and,
     given the devices' `peak_flops`, tokens_per_s. `saves_beside_steps`: False when the run ends before its
     first save. `chunk_lever` (--loss-chunk not given): where `loss_chunk` keeps the whole logits, also try
-    the loss over 512-entry chunks (same loss; ~5% slower there, docs/performance.md), with key loss_chunk. The user's own setting (`user` = their 8-bit, bf16, remat; `user_devices`) wins ties within 5%.
+    the loss over 512-entry chunks (same loss; ~5% slower there, docs/performance.md), with key loss_chunk.
+    The user's own setting (their micro-batch and `user` = their 8-bit, bf16, remat) wins ties within 5%.
     """
     effective = batch_size * accumulation
     own = finetune.base_dtype if finetune is not None else "float32"
@@ -127,8 +129,7 @@ def fit_candidates(
                     speed = relative_speed(seq_len, micro // devices, devices, params=n, platform=platform, remat=remat,
                                            mixed=mixed, eight=eight, sync=sync) / (1.05 if dtype != own else 1.0)
                     speed /= 1.05 if chunk != loss_chunk else 1.0
-                    mine = (micro == batch_size and (eight, mixed, remat) == tuple(user) and dtype == own
-                            and devices == (user_devices or devices))
+                    mine = micro == batch_size and (eight, mixed, remat) == tuple(user) and dtype == own
                     out.append({"batch_size": micro, "gradient_accumulation_steps": effective // micro,
                                 "devices": devices, "use_8bit_optimizer": eight, "use_mixed_precision": mixed,
                                 "gradient_checkpointing": remat, "checkpoint_sync": sync,

@@ -394,17 +394,13 @@ def plan_step(c: Config, data: TrainData, procs: Processes, log: Log) -> tuple[A
     if c.auto_fit:
         for line in fit_report(c, choices, i, plan):
             log(line)
-        if plan.platform == "cpu" and not c.cpu_devices and plan.devices < len(jax_devices()):
+        import jax
+
+        if plan.platform == "cpu" and not c.cpu_devices and plan.devices < len(jax.devices()):
             c.cpu_devices = plan.devices  # recorded in config.json: a resumed run makes the same devices
     for line in plan.describe():
         log(line)
     return built, compiled, plan
-
-
-def jax_devices() -> list:
-    import jax
-
-    return jax.devices()
 
 
 def fit_report(c: Config, choices: list[dict], i: int, plan: MemoryPlan) -> list[str]:
