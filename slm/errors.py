@@ -58,3 +58,7 @@ class GenerateError(UserError):
 
 class ExportError(UserError):
     """A bad export_hf.py argument, or a run that cannot be exported."""
+
+
+class DiskFullError(RunError):
+    """A save that the output dir's disk has no room for; the last complete checkpoint is kept."""

@@ -128,17 +128,15 @@ def sample_start(tok: Any, special: SpecialIds) -> list[int]:
         return [0]
 
 
-def write_special_config(path: str, tok: Any, special: SpecialIds, chat_template: str | None = None) -> None:
-    """A minimal tokenizer_config.json beside a run's tokenizer.json, so that the run's later readers
+def special_config(tok: Any, special: SpecialIds, chat_template: str | None = None) -> dict:
+    """A minimal tokenizer_config.json for beside a run's tokenizer.json, so that the run's later readers
     (resume, generate, export) find the same separator (and chat template, when one formatted the data)
     as training did."""
     name = lambda i: None if i is None else tok.id_to_token(i)
     config = {"eos_token": name(special.eos), "bos_token": name(special.bos)}
     if chat_template is not None:
         config["chat_template"] = chat_template
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
+    return config
 
 
 def eot_id(tok: Any, source: str = "tokenizer") -> int:

@@ -6,29 +6,51 @@ waits for its commit before training goes on, so no step runs beside the save's 
 (what the memory planner turns on when that copy is what does not fit). Either way, once a save has
 committed the heap's free pages go back to the OS (glibc keeps the copy's pages otherwise, and every later
 step peaked higher by up to 1.5x the state: docs/memory.md).
+
+Once committed, a save is read back: its record and tree are checked, its manifest (every file's size and
+CRC-32, slm.io.manifest) is written, and only then are older checkpoints pruned, so the newest sound one is
+never deleted. A checkpoint that fails a check is renamed `<step>.damaged`: orbax no longer sees it, so it
+is neither loaded nor pruned. A save the disk has no room for is not started (or, when the space went
+during the write, its partial files are removed): a DiskFullError names the step, the space needed and
+free, and the newest complete checkpoint, which is kept.
 """
 
 from __future__ import annotations
 
+import errno
+import gc
 import json
+import logging
 import os
-from typing import Any
+import shutil
+import sys
+import warnings
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 
+from slm.errors import DiskFullError, RunError, first_line
+from slm.io.manifest import check_manifest, has_manifest, write_manifest
 from slm.memory.host import release_free_heap
+
+DAMAGED = ".damaged"
 
 
 class Checkpointer:
-    """Keeps the newest `keep` checkpoints plus the one with the best eval loss; never the last one deleted."""
+    """Keeps the newest `keep` checkpoints plus the one with the best eval loss; never the newest sound one."""
 
-    def __init__(self, directory: str, keep: int | None = 3, log=print, sync: bool = False):
+    def __init__(self, directory: str, keep: int | None = 3, log: Callable[[str], None] = print, sync: bool = False,
+                 disk_usage: Callable[[str], Any] = shutil.disk_usage):
         self.directory = os.path.abspath(directory)
-        self.keep, self.log, self.sync = keep, log, sync
+        self.keep, self.log, self.sync, self.disk_usage = keep, log, sync, disk_usage
         self.pending: int | None = None  # the last save, verified once it has been committed
         self.pending_tree: set[str] = set()  # its state's leaf paths, to compare with what was written
         self.eval_loss: dict[int, float] = {}  # step -> eval loss of the params saved there
+        self.last_bytes: int | None = None  # the size of the newest checkpoint on disk: what the next needs
+        self.failure: DiskFullError | None = None  # a save the disk had no room for (the run stops)
+        self.failed_step: int | None = None
+        self.quiet = _QuietDiskFull().install()  # orbax's threads log a full disk as pages of tracebacks
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True),
             item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
@@ -49,20 +71,61 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, meta: dict, loader: dict | None = None,
              eval_loss: float | None = None) -> None:
-        """State arrays, the run's counters (`meta`) and the data loader's stream position, in one checkpoint."""
+        """State arrays, the run's counters (`meta`) and the data loader's stream position, in one checkpoint.
+        Raises DiskFullError (and saves nothing) when the disk lacks room for it."""
         if eval_loss is not None:
             self.eval_loss[step] = eval_loss
         self.verify_pending()
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
-                                    loader=ocp.args.JsonSave(loader or {})),
-            force=True,
-        )
+        self._check_space(step, state, loader)
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+                                        loader=ocp.args.JsonSave(loader or {})),
+                force=True,
+            )
+        except Exception as e:
+            self._failed(step, e)
         self.pending, self.pending_tree = step, _leaf_paths(state)
-        self._prune()
         if self.sync:
             self.verify_pending()
+
+    def _check_space(self, step: int, state: Any, loader: dict | None) -> None:
+        """Refuse to start a save that cannot fit: needs the last checkpoint's size (or, for the first, the
+        state's bytes and the loader's JSON) plus 10% and 1 MB; older checkpoints go only after it commits."""
+        size = self.last_bytes
+        if size is None:
+            size = sum(x.nbytes for x in jax.tree.leaves(state)) + len(json.dumps(loader or {}))
+        need, free = size * 1.1 + 2**20, self.disk_usage(self.directory).free
+        if free < need:
+            self._raise_full(step, need, free)
+
+    def _failed(self, step: int, e: BaseException) -> None:
+        """A save that failed: a full disk becomes a DiskFullError (its partial files removed), else re-raised."""
+        if not (is_disk_full(e) or self.quiet.seen):
+            raise e
+        try:
+            self.manager.wait_until_finished()  # orbax's other writer threads may still be going
+        except Exception:
+            pass
+        self._remove_partial(step)
+        self._raise_full(step, (self.last_bytes or 0) * 1.1 + 2**20, self.disk_usage(self.directory).free)
+
+    def _remove_partial(self, step: int) -> None:
+        """Delete orbax's temporary dir of a failed save (half written: it only takes space)."""
+        for name in os.listdir(self.directory):
+            if name.startswith(f"{step}.") and "tmp" in name:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    def _raise_full(self, step: int, need: float, free: float) -> None:
+        self.failed_step = step
+        kept = [s for s in self.manager.all_steps() if s != step]
+        newest = f"step {max(kept)}, kept" if kept else "none yet"
+        self.failure = DiskFullError(
+            f"checkpoint {step} not saved: the disk of {self.directory} is full ({free / 2**20:,.1f} MB free, the "
+            f"checkpoint needs ~{need / 2**20:,.1f} MB); newest complete checkpoint: {newest}. Free space, then "
+            f"--resume {os.path.dirname(self.directory)}")
+        raise self.failure
 
     def poll(self) -> None:
         """Between steps: verify the last async save (and free its copy) as soon as it has committed."""
@@ -76,7 +139,7 @@ class Checkpointer:
         Plain file reads, no orbax restore: a restore ends in a barrier across processes, which one
         process's failed check must not leave the others waiting in.
         """
-        path = os.path.join(self.directory, str(step))  # orbax renames its temp dir to this on commit
+        path = self.path(step)  # orbax renames its temp dir to this on commit
         if not os.path.isdir(path):
             return "not among the committed checkpoints"
         try:
@@ -87,51 +150,181 @@ class Checkpointer:
                 with open(os.path.join(path, "state", "_METADATA")) as f:
                     written = {"/".join(str(k["key"]) for k in leaf["key_metadata"])
                                for leaf in json.load(f)["tree_metadata"].values()}
-        except (OSError, ValueError, KeyError, TypeError) as e:  # any failure to read it back is the finding
-            return f"unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        if meta.get("step", step) != step:
-            return f"records step {meta.get('step')}"
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # failing to read it back is the finding
+            return f"unreadable ({type(e).__name__}: {first_line(e) if str(e) else ''})"
+        if not isinstance(meta, dict) or meta.get("step", step) != step:
+            return f"records step {meta.get('step') if isinstance(meta, dict) else meta!r}"
         if tree and not tree <= written:  # (orbax may also list empty optimizer nodes, hence <=)
             return f"state tree on disk lacks {len(tree - written)} saved leaves, e.g. {sorted(tree - written)[:2]}"
         return None
 
+    def check(self, step: int) -> str | None:
+        """The full check before a restore: every file against the manifest (sizes, CRC-32), then the
+        record; a checkpoint from before manifests gets the record check alone. None when sound."""
+        path = self.path(step)
+        if has_manifest(path) and (problem := check_manifest(path)):
+            return problem
+        return self.verify(step)
+
     def verify_pending(self) -> None:
-        """Wait for the last async save and verify it; loud (a log line per failure) but never fatal."""
+        """Wait for the last async save, check it, record its manifest and prune. A checkpoint that fails the
+        check is moved aside with a log line; a full disk raises DiskFullError."""
         if self.pending is None:
             return
-        self.manager.wait_until_finished()
-        release_free_heap()  # the save's copy of the state, freed into the heap: back to the OS
         step, tree, self.pending = self.pending, self.pending_tree, None
-        problem = self.verify(step, tree) if jax.process_index() == 0 else None  # one process reports
-        if problem:
-            self.log(f"[checkpoint] VERIFY FAILED for step {step} in {self.directory}: {problem}; "
-                     f"the previous checkpoint is still there")
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            self._failed(step, e)
+        release_free_heap()  # the save's copy of the state, freed into the heap: back to the OS
+        if jax.process_index() == 0:  # one process checks and reports
+            problem = self.verify(step, tree)
+            if problem and self.quiet.seen:  # the write failed for lack of space, orbax's commit said nothing
+                self._failed(step, OSError(errno.ENOSPC, self.quiet.seen))
+            if problem:
+                self.log(f"[checkpoint] step {step} FAILED its check after writing ({problem}); moved aside to "
+                         f"{self.set_aside(step)}; the previous checkpoints are kept")
+                return
+            try:
+                self.last_bytes = write_manifest(self.path(step))
+            except OSError as e:
+                if not is_disk_full(e):
+                    raise
+                self.log(f"[checkpoint] step {step}: no room left for its manifest; the checkpoint is complete, and "
+                         f"a resume will check its record only")
+        self._prune()
+
+    def set_aside(self, step: int) -> str:
+        """Rename a damaged checkpoint `<step>.damaged` (orbax then neither loads nor prunes it); its new name."""
+        new = self.path(step) + DAMAGED
+        n = 1
+        while os.path.exists(new):
+            n += 1
+            new = f"{self.path(step)}{DAMAGED}-{n}"
+        os.rename(self.path(step), new)
+        self.manager.reload()
+        return os.path.basename(new)
+
+    def newest_sound(self, log: Callable[[str], None]) -> int | None:
+        """The newest checkpoint that passes `check`; each newer damaged one is set aside, with a line."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            problem = self.check(step)
+            if problem is None:
+                return step
+            log(f"[resume] checkpoint {step} is damaged ({problem}): moved aside to {self.set_aside(step)}; "
+                f"trying the one before")
+        return None
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def disk_full(self, e: OSError, out: str) -> DiskFullError:
+        """Another write of the run (metrics, TensorBoard, summary) that found the disk full, as one line;
+        the failed save's own line when a save failed first."""
+        if self.failure is not None:
+            return self.failure
+        steps = self.manager.all_steps() if self.manager is not None else []
+        free = self.disk_usage(out).free / 2**20
+        return DiskFullError(f"the disk of {out} is full ({free:,.1f} MB free; {first_line(e)}); newest complete "
+                             f"checkpoint: {f'step {max(steps)}' if steps else 'none'}. Free space, then --resume {out}")
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict, dict]:
         """(state, meta, loader state) restored into the structure/dtypes of `abstract_state` (jax.eval_shape)."""
+        self.manager.reload()  # another process may have set a damaged checkpoint aside
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-        out = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore(),
-                                          loader=ocp.args.JsonRestore())
-        )
+        try:
+            out = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore(),
+                                              loader=ocp.args.JsonRestore())
+            )
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            checked = "passed its manifest check" if has_manifest(self.path(step)) else "has no manifest to check"
+            raise RunError(f"checkpoint {self.path(step)} could not be restored ({first_line(e)}); it {checked}. "
+                           f"Move it aside (mv {step} {step}{DAMAGED}) to resume from the one before") from None
         return out["state"], out["meta"], out["loader"] or None
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for the last save to commit, then check it, record its manifest and prune (verify_pending)."""
+        self.verify_pending()
 
     def close(self) -> None:
-        """Verify the last save and close the manager (safe to call twice)."""
+        """Verify the last save and close the manager (safe to call twice). A full disk found here is kept
+        in `failure` for the caller, who stops the run with it after writing the summary."""
         if self.manager is None:
             return
-        self.verify_pending()
-        self.manager.close()
-        self.manager = None
+        try:
+            self.verify_pending()
+        except DiskFullError:
+            pass  # in self.failure
+        finally:
+            self.manager.close()
+            self.manager = None
+            self.quiet.remove()
+            if self.failed_step is not None:  # what orbax's threads wrote after the failure was reported
+                self._remove_partial(self.failed_step)
+
+
+class _QuietDiskFull(logging.Filter):
+    """Holds back what orbax's writer threads print about a full disk: their log records (absl) and their
+    asyncio tasks' (each with a traceback), and the "Event loop is closed" errors that tensorstore's
+    callbacks raise into orbax's closed event loop (unraisable, so printed by sys.unraisablehook). It keeps
+    the first message: the Checkpointer reports the full disk in one line instead."""
+
+    LOGGERS = ("absl", "asyncio")
+
+    def __init__(self):
+        super().__init__()
+        self.seen: str | None = None
+        self.previous = sys.unraisablehook
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage() + (repr(record.exc_info[1]) if record.exc_info else "")
+        if not _is_disk_full_text(text):
+            return True
+        self.seen = self.seen or first_line(Exception(text))
+        return False
+
+    def unraisable(self, u: Any) -> None:
+        text = f"{type(u.exc_value).__name__}: {u.exc_value}"
+        if _is_disk_full_text(text):
+            self.seen = self.seen or first_line(u.exc_value)
+        elif not ("Event loop is closed" in text or (self.seen and "sys.meta_path is None" in text)):
+            self.previous(u)
+
+    def install(self) -> "_QuietDiskFull":
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        self.previous, sys.unraisablehook = sys.unraisablehook, self.unraisable
+        return self
+
+    def remove(self) -> None:
+        if self.seen:  # orbax's failed tasks report when garbage-collected, as late as the interpreter's exit
+            warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+            gc.collect()
+            return
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+        if sys.unraisablehook == self.unraisable:
+            sys.unraisablehook = self.previous
+
+
+def _is_disk_full_text(text: str) -> bool:
+    return "No space left on device" in text or "os_error_code='28'" in text or "[Errno 28]" in text
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+    """ENOSPC anywhere in an exception's chain (orbax wraps tensorstore's as ValueError: RESOURCE_EXHAUSTED)."""
+    while e is not None:
+        if getattr(e, "errno", None) == errno.ENOSPC or _is_disk_full_text(str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _leaf_paths(tree: Any) -> set[str]:

@@ -3,16 +3,44 @@
 from __future__ import annotations
 
 import json
+import os
+
+from slm.io.atomic import append_line, whole_lines, write_text
 
 
 class MetricsLog:
-    """Writes one JSON object per line to a new metrics.jsonl (line-buffered: a crash loses at most a row)."""
+    """Appends one JSON object per line to metrics.jsonl, each line whole in one write() (slm.io.atomic):
+    a crash loses at most the row being written and never tears an earlier one.
 
-    def __init__(self, path: str, append: bool = False):
-        self.file = open(path, "a" if append else "w", buffering=1)
+    append: continue the file (--resume). keep_through: a resumed run's step; rows logged after it (and a
+    torn last line) are dropped first, since the resumed run logs those steps again (as TensorBoard's
+    purge_step does for its event files).
+    """
+
+    def __init__(self, path: str, append: bool = False, keep_through: int | None = None):
+        if append and os.path.isfile(path):
+            _keep_rows_through(path, keep_through)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC), 0o644)
 
     def write(self, row: dict) -> None:
-        self.file.write(json.dumps(row) + "\n")
+        append_line(self.fd, json.dumps(row))
 
     def close(self) -> None:
-        self.file.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _keep_rows_through(path: str, step: int | None) -> None:
+    """Rewrite `path` (atomically) without a torn last line and, given a step, without rows after it."""
+    lines = whole_lines(path)
+    kept = [line for line in lines if step is None or _step_of(line) <= step]
+    if len(kept) != len(lines) or os.path.getsize(path) != sum(len(line.encode()) + 1 for line in lines):
+        write_text(path, "".join(line + "\n" for line in kept))
+
+
+def _step_of(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 0.0  # a line that is not a row is kept as it is

@@ -12,6 +12,7 @@ them, keeping ``import tracking`` free.
 from __future__ import annotations
 
 import importlib
+import errno
 import json
 import math
 import os
@@ -83,7 +84,11 @@ class Trackers:
     def close(self) -> None:
         """Flush and close everything (safe to call twice)."""
         if self.tb is not None:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except OSError as e:  # a full disk: its last events are lost (metrics.jsonl has the rows); the
+                if e.errno != errno.ENOSPC:  # run reports the full disk itself
+                    raise
             self.tb = None
         if self.wandb_run is not None:
             self.wandb_run.finish()

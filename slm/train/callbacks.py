@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from slm.data.mixture import mixture_summary
+from slm.errors import DiskFullError
 from slm.io.checkpoints import Checkpointer
 from slm.io.metrics import MetricsLog
 from slm.io.tracking import Trackers, plot_loss
@@ -216,15 +217,19 @@ class SaveCheckpoints(Callback):
                        eval_loss=scored["eval_loss"] if scored else None)
         run.timings.last_save = self.clock()
 
-    def on_step(self, run: RunState) -> None:
-        if run.due.save:
-            self.save(run)
-        else:
-            self.ckpt.poll()
+    def on_step(self, run: RunState) -> str | None:
+        try:
+            self.save(run) if run.due.save else self.ckpt.poll()
+        except DiskFullError as e:  # the checkpointer kept it (ckpt.failure): raised once the summary is written
+            return f"the disk is full: {str(e).split(':')[0]}"
+        return None
 
     def on_train_end(self, run: RunState) -> None:
-        if self.ckpt.latest_step() != run.step and not run.nonfinite_stop:
-            self.save(run)
+        if self.ckpt.failure is None and self.ckpt.latest_step() != run.step and not run.nonfinite_stop:
+            try:
+                self.save(run)
+            except DiskFullError:
+                pass  # in ckpt.failure
 
     def close(self) -> None:
         self.ckpt.close()

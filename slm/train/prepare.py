@@ -28,9 +28,10 @@ from slm.data.tokenizer import (
     load_tokenizer,
     special_ids,
     train_bpe,
-    write_special_config,
+    special_config,
 )
 from slm.errors import ConfigError, DatasetError
+from slm.io.atomic import write_atomically, write_json
 from slm.io.tracking import require_wandb
 from slm.memory.estimate import estimate_memory_usage, parse_size
 from slm.memory.fit import fit_candidates, smallest_setting
@@ -182,8 +183,8 @@ def make_tokenizer(c: Config, source: TextSource, skip_documents: int, out: str,
             log(f"[tokenizer] trained a byte-level BPE with {tok.get_vocab_size():,} tokens in {time.time() - t:.1f}s")
         seconds = time.time() - t
         special = special_ids(tok, c.tokenizer)
-        tok.save(os.path.join(out, "tokenizer.json"))
-        write_special_config(os.path.join(out, "tokenizer_config.json"), tok, special, chat_template)
+        write_atomically(os.path.join(out, "tokenizer.json"), tok.save)  # on --resume it replaces itself
+        write_json(os.path.join(out, "tokenizer_config.json"), special_config(tok, special, chat_template))
         return [tok.to_str() if procs.count > 1 else tok, [special.eos, special.bos, special.found], seconds]
 
     tok, special, seconds = procs.decide0(build)

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,8 @@ from slm.data.packing import full_load_batches
 from slm.data.stream import StreamingDataLoader
 from slm.data.tokenizer import sample_start
 from slm.errors import ConfigError, DatasetError, RunError
-from slm.io.checkpoints import Checkpointer
+from slm.io.atomic import write_json
+from slm.io.checkpoints import Checkpointer, is_disk_full
 from slm.io.metrics import MetricsLog
 from slm.io.tracking import Trackers
 from slm.memory.host import peak_rss_mb, release_free_heap
@@ -109,6 +109,17 @@ def train(config: Config, start_time: float | None = None, log: Log = print, exp
         handed = [compiled]  # _train's DeviceStep takes the only reference, so it can free it (for_epoch)
         del compiled
         return _train(c, data, built, handed, plan, env, list(callbacks))
+
+
+@contextmanager
+def full_disk_in_one_line(ckpt: Checkpointer, out: str) -> Iterator[None]:
+    """From here on, a write of the run that finds the disk full ends as one DiskFullError line (exit 2)."""
+    try:
+        yield
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        raise ckpt.disk_full(e, out) from None
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:
@@ -208,8 +219,9 @@ def _train(c: Config, data: TrainData, built: Any, handed: list, plan: MemoryPla
     facts, resolved = write_config(c, data, built, plan, (state, base), lplan, peak, env)
     assert sum(x.size for x in jax.tree.leaves(state.params)) == facts.trainable_params
     ckpt = Checkpointer(os.path.join(env.out, "checkpoints"), keep=c.keep_checkpoints, log=env.log,
-                        sync=plan.checkpoint_sync)
+                        sync=plan.checkpoint_sync, disk_usage=env.disk_usage)
     env.stack.callback(ckpt.close)
+    env.stack.enter_context(full_disk_in_one_line(ckpt, env.out))
     check_disk(c, env, state)
     run, resumed = restore(c, ckpt, state, estimated_total_tokens(c, data), env)
     check_base(c, run, data.base_fingerprint if lora else None, env.out)
@@ -238,7 +250,11 @@ def _train(c: Config, data: TrainData, built: Any, handed: list, plan: MemoryPla
         cb.on_train_end(run)
     closing.close()  # in order: the console, the checkpoint manager, metrics.jsonl and the trackers
     sources = loader.counts() if isinstance(loader, MixtureLoader) else None
-    return summarize(c, run, data, facts, plan, peak[0], env, resumed, device_bytes(run.train_state) / 2**20, sources)
+    summary = summarize(c, run, data, facts, plan, peak[0], env, resumed, device_bytes(run.train_state) / 2**20,
+                        sources)
+    if ckpt.failure is not None:  # a save the disk had no room for: the run stopped cleanly, now say so (exit 2)
+        raise ckpt.failure
+    return summary
 
 
 def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state_base: tuple[Any, Any],
@@ -266,8 +282,7 @@ def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state
                 "stride": c.stride or c.seq_len, "warmup_steps": lplan.schedule.warmup,
                 **dataclasses.asdict(facts)}
     if procs.primary:
-        with open(os.path.join(env.out, "config.json"), "w") as f:
-            json.dump(resolved, f, indent=2)
+        write_json(os.path.join(env.out, "config.json"), resolved)
     acc, n_dev = c.gradient_accumulation_steps, facts.devices
     env.log(f"[model] {describe(data.shape, c.seq_len)}")
     muon = (f"Muon (peak lr {c.muon_learning_rate:g}, {'bfloat16' if c.use_8bit_optimizer else 'float32'} momentum) "
@@ -367,9 +382,13 @@ def restore(c: Config, ckpt: Checkpointer, state: Any, est: float | None, env: E
     ckpt_dir, procs = os.path.join(env.out, "checkpoints"), env.procs
     for partial in sorted(p for p in os.listdir(ckpt_dir) if "tmp" in p):
         env.log(f"[resume] warning: skipping incomplete checkpoint {partial} (interrupted save)")
-    if ckpt.latest_step() is None:
-        raise ConfigError(f"--resume {env.out}: no complete checkpoint in {ckpt_dir} (an interrupted save is skipped)")
-    state, meta, loader_state = ckpt.restore(state)  # restored with the live state's shardings
+    step = procs.decide0(lambda: ckpt.newest_sound(env.log))  # process 0 checks; every process restores it
+    if step is None:
+        aside = sorted(p for p in os.listdir(ckpt_dir) if ".damaged" in p)
+        raise RunError(f"--resume {env.out}: no complete, sound checkpoint in {ckpt_dir}"
+                       + (f" ({len(aside)} damaged ones moved aside: {', '.join(aside)})" if aside else "")
+                       + "; an interrupted save is skipped")
+    state, meta, loader_state = ckpt.restore(state, step)  # restored with the live state's shardings
     check_process_count(env.out, meta.get("processes", 1), procs.count)
     if procs.count > 1 and c.use_streaming:
         mine = loader_state["processes"][procs.index]
@@ -398,7 +417,8 @@ def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, reso
     from slm.train.evaluate import Evaluator
 
     procs, out, log, clock = env.procs, env.out, env.log, env.clock
-    metrics = MetricsLog(os.path.join(out, "metrics.jsonl") if procs.primary else os.devnull, append=bool(c.resume))
+    metrics = MetricsLog(os.path.join(out, "metrics.jsonl") if procs.primary else os.devnull, append=bool(c.resume),
+                         keep_through=resumed["meta"]["step"] if resumed else None)
     trackers = None
     if procs.primary:
         trackers = Trackers(out, resolved, use_wandb=c.wandb, wandb_project=c.wandb_project,
@@ -449,8 +469,7 @@ def summarize(c: Config, run: RunState, data: TrainData, facts: RunFacts, plan: 
         **({"data_sources": data_sources} if data_sources is not None else {}),
     }
     if env.procs.primary:
-        with open(os.path.join(env.out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        write_json(os.path.join(env.out, "summary.json"), summary)
     scored = (f"eval loss {ev['eval_loss']:.4f} | bpb {ev['eval_bpb']:.4f}" if run.last_eval
               else "no eval (stopped by a signal)")
     env.log(f"[done] {run.step} steps, {run.tokens:,} tokens in {summary['wall_time_s']:.0f}s | {scored} "
