@@ -243,11 +243,28 @@ class Checkpointer:
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore(),
                                               loader=ocp.args.JsonRestore())
             )
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            checked = "passed its manifest check" if has_manifest(self.path(step)) else "has no manifest to check"
+        except Exception as e:  # orbax raises plain Exceptions around tensorstore's errors
+            manifest = has_manifest(self.path(step))
+            if not manifest and _damaged_data(e) and jax.process_count() == 1:
+                self.quiet.failed_read()
+                raise Unreadable(first_line(_root_cause(e), 160)) from None
+            checked = "passed its manifest check" if manifest else "has no manifest to check"
             raise RunError(f"checkpoint {self.path(step)} could not be restored ({first_line(e)}); it {checked}. "
                            f"Move it aside (mv {step} {step}{DAMAGED}) to resume from the one before") from None
         return out["state"], out["meta"], out["loader"] or None
+
+    def restore_sound(self, abstract_state: Any, log: Callable[[str], None],
+                      decide: Callable[[Callable[[], Any]], Any] = lambda fn: fn()) -> tuple[Any, dict, dict] | None:
+        """--resume: the newest checkpoint that passes `check` and restores, or None. Each damaged one on the
+        way is set aside with a line: found by its manifest, or (a checkpoint without one, e.g. killed
+        between its commit and its manifest) by its data failing to read. `decide`: process 0 checks."""
+        while (step := decide(lambda: self.newest_sound(log))) is not None:
+            try:
+                return self.restore(abstract_state, step)
+            except Unreadable as e:
+                log(f"[resume] checkpoint {step} is damaged ({e}; it had no manifest): moved aside to "
+                    f"{self.set_aside(step)}; trying the one before")
+        return None
 
     def wait(self) -> None:
         """Wait for the last save to commit, then check it, record its manifest and prune (verify_pending)."""
@@ -271,16 +288,18 @@ class Checkpointer:
 
 
 class _QuietDiskFull(logging.Filter):
-    """Holds back what orbax's writer threads print about a full disk: their log records (absl) and their
-    asyncio tasks' (each with a traceback), and the "Event loop is closed" errors that tensorstore's
-    callbacks raise into orbax's closed event loop (unraisable, so printed by sys.unraisablehook). It keeps
-    the first message: the Checkpointer reports the full disk in one line instead."""
+    """Holds back what orbax's threads print about a failure the Checkpointer reports in one line: a full
+    disk's log records (absl) and asyncio tasks' (each with a traceback), the "Event loop is closed" errors
+    that tensorstore's callbacks raise into orbax's closed event loop (unraisable, so printed by
+    sys.unraisablehook), and the abandoned coroutines of a restore that failed on damaged data. It keeps
+    the full disk's first message."""
 
     LOGGERS = ("absl", "asyncio")
 
     def __init__(self):
         super().__init__()
         self.seen: str | None = None
+        self.read_failed = False
         self.previous = sys.unraisablehook
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -294,8 +313,16 @@ class _QuietDiskFull(logging.Filter):
         text = f"{type(u.exc_value).__name__}: {u.exc_value}"
         if _is_disk_full_text(text):
             self.seen = self.seen or first_line(u.exc_value)
-        elif not ("Event loop is closed" in text or (self.seen and "sys.meta_path is None" in text)):
+        elif not ("Event loop is closed" in text or (self.seen and "sys.meta_path is None" in text)
+                  or (self.read_failed and "error while reading" in text)):
             self.previous(u)
+
+    def failed_read(self) -> None:
+        """A restore failed on damaged data (reported in one line): its reading coroutines, abandoned, would
+        print a warning and a traceback each when garbage-collected. Collect them now, quietly."""
+        self.read_failed = True
+        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+        gc.collect()
 
     def install(self) -> "_QuietDiskFull":
         for name in self.LOGGERS:
@@ -304,7 +331,7 @@ class _QuietDiskFull(logging.Filter):
         return self
 
     def remove(self) -> None:
-        if self.seen:  # orbax's failed tasks report when garbage-collected, as late as the interpreter's exit
+        if self.seen or self.read_failed:  # orbax's failed tasks report when garbage-collected, as late as the interpreter's exit
             warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
             gc.collect()
             return
@@ -312,6 +339,26 @@ class _QuietDiskFull(logging.Filter):
             logging.getLogger(name).removeFilter(self)
         if sys.unraisablehook == self.unraisable:
             sys.unraisablehook = self.previous
+
+
+class Unreadable(Exception):
+    """A checkpoint without a manifest whose data failed to read back (Checkpointer.restore_sound's cue)."""
+
+
+def _damaged_data(e: BaseException | None) -> bool:
+    """Whether a restore failed on the bytes it read (truncated, garbled), not on a mismatch of code and tree."""
+    signs = ("Error reading", "DATA_LOSS", "OUT_OF_RANGE", "Unterminated string", "Expecting", "corrupt")
+    while e is not None:
+        if isinstance(e, json.JSONDecodeError) or any(sign in str(e) for sign in signs):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    while (inner := e.__cause__ or e.__context__) is not None:
+        e = inner
+    return e
 
 
 def _is_disk_full_text(text: str) -> bool:

@@ -382,13 +382,13 @@ def restore(c: Config, ckpt: Checkpointer, state: Any, est: float | None, env: E
     ckpt_dir, procs = os.path.join(env.out, "checkpoints"), env.procs
     for partial in sorted(p for p in os.listdir(ckpt_dir) if "tmp" in p):
         env.log(f"[resume] warning: skipping incomplete checkpoint {partial} (interrupted save)")
-    step = procs.decide0(lambda: ckpt.newest_sound(env.log))  # process 0 checks; every process restores it
-    if step is None:
+    restored = ckpt.restore_sound(state, env.log, procs.decide0)  # process 0 checks; every process restores
+    if restored is None:
         aside = sorted(p for p in os.listdir(ckpt_dir) if ".damaged" in p)
         raise RunError(f"--resume {env.out}: no complete, sound checkpoint in {ckpt_dir}"
                        + (f" ({len(aside)} damaged ones moved aside: {', '.join(aside)})" if aside else "")
                        + "; an interrupted save is skipped")
-    state, meta, loader_state = ckpt.restore(state, step)  # restored with the live state's shardings
+    state, meta, loader_state = restored  # with the live state's shardings
     check_process_count(env.out, meta.get("processes", 1), procs.count)
     if procs.count > 1 and c.use_streaming:
         mine = loader_state["processes"][procs.index]

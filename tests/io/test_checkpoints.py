@@ -160,6 +160,27 @@ def test_every_checkpoint_has_a_manifest_and_one_from_before_manifests_is_still_
     ck.close()
 
 
+def test_a_checkpoint_without_a_manifest_whose_data_fails_to_read_is_set_aside_on_restore(tmp_path):
+    """A run killed between a commit and its manifest: the restore itself finds the damage."""
+    import jax
+    import numpy as np
+
+    from slm.io.checkpoints import Checkpointer
+    from slm.io.manifest import MANIFEST
+
+    directory = tmp_path / "ckpt"
+    _save_three(directory)
+    (directory / "3" / MANIFEST).unlink()
+    _truncate(_largest_state_file(directory / "3"))
+    logs = []
+    ck = Checkpointer(str(directory), keep=3)
+    state, meta, _ = ck.restore_sound(jax.eval_shape(lambda: _state(0)), logs.append)
+    ck.close()
+    assert meta["step"] == 2 and np.asarray(state["w"])[1] == 2.0
+    assert len(logs) == 1 and logs[0].startswith("[resume] checkpoint 3 is damaged (")
+    assert "it had no manifest): moved aside to 3.damaged" in logs[0]
+
+
 def _disk(free):
     from types import SimpleNamespace
 
