@@ -18,20 +18,64 @@ def shape_from_hf_config(cfg: dict, where: str = "config.json") -> ModelShape:
     arch = (cfg.get("architectures") or [None])[0]
     if arch not in FAMILIES:
         raise RunError(f"{where}: architecture {arch!r} is not supported; use one of {', '.join(FAMILIES)}")
-    scaling = cfg.get("rope_scaling") or {}
-    kind = scaling.get("rope_type") or scaling.get("type") if isinstance(scaling, dict) else None
-    if kind not in (None, "default"):
-        raise RunError(f"{where}: rope scaling {kind!r} is not supported yet; use a checkpoint without rope_scaling")
-    if cfg.get("mlp_bias"):
-        raise RunError(f"{where}: mlp_bias is not supported")
+    refuse_unsupported(cfg, where)
     D, H = cfg["hidden_size"], cfg["num_attention_heads"]
     head = cfg.get("head_dim") or D // H
-    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     return ModelShape(
         vocab_size=cfg["vocab_size"], n_layers=cfg["num_hidden_layers"], d_model=D, n_heads=H,
         d_ff=cfg["intermediate_size"], n_kv_heads=cfg.get("num_key_value_heads") or H,
         head_size=None if head * H == D else head,
         qkv_bias=FAMILIES[arch] == "qwen2" or bool(cfg.get("attention_bias")),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_theta=float(theta),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_theta=rope_theta(cfg),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
     )
+
+
+def rope_settings(cfg: dict) -> dict:
+    """The rotary embedding's settings in either layout found in the wild: the hub's `rope_scaling` (+ a
+    top-level `rope_theta`), or transformers 5's `rope_parameters` (type, theta and scaling together)."""
+    merged: dict = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(cfg.get(key), dict):
+            merged.update(cfg[key])
+    return merged
+
+
+def rope_theta(cfg: dict) -> float:
+    return float(cfg.get("rope_theta") or rope_settings(cfg).get("rope_theta") or 10000.0)
+
+
+def refuse_unsupported(cfg: dict, where: str) -> None:
+    """Every config key that would change the computation is honoured or refused here, in one line: rope
+    scaling of any type (in either layout), partial rotary, another activation, attention dropout, layers
+    that are not full attention, an MLP bias."""
+    rope = rope_settings(cfg)
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind not in (None, "default"):
+        layout = "rope_parameters" if (cfg.get("rope_parameters") or {}).get("rope_type") == kind else "rope_scaling"
+        raise RunError(f"{where}: rope scaling {kind!r} (in {layout}) is not supported yet; use a model without "
+                       f"rope scaling")
+    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        raise RunError(f"{where}: partial_rotary_factor is not supported (this model rotates the whole head)")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise RunError(f"{where}: hidden_act {act!r} is not supported (this model's MLP is SwiGLU: silu)")
+    if cfg.get("attention_dropout"):
+        raise RunError(f"{where}: attention_dropout {cfg['attention_dropout']} is not supported (this model has no "
+                       f"attention dropout); set it to 0.0, and use --dropout or --lora-dropout")
+    kinds = set(cfg.get("layer_types") or [])
+    if kinds - {"full_attention"}:
+        raise RunError(f"{where}: layer_types {sorted(kinds)} are not supported; every layer here attends over "
+                       f"the whole context (full_attention)")
+    if cfg.get("mlp_bias"):
+        raise RunError(f"{where}: mlp_bias is not supported")
+
+
+def attention_window(cfg: dict) -> int | None:
+    """The sliding window a config asks for (Mistral's `sliding_window`; Qwen2/3's with `use_sliding_window`),
+    or None. Full causal attention equals it while the sequence fits in the window: the trainer refuses a
+    longer --seq-len rather than attend differently from the model's training."""
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return None
+    return int(window)

@@ -38,6 +38,7 @@ from slm.memory.fit import fit_candidates, smallest_setting
 from slm.memory.finetune import Finetune
 from slm.memory.host import available_host_mb, release_free_heap, total_ram_gb
 from slm.memory.preflight import MemoryPlan
+from slm.model.hf_config import attention_window
 from slm.model.matmul import default_matmul_precision
 from slm.model.sizing import (
     ModelShape,
@@ -285,7 +286,13 @@ def pretrained(c: Config, log: Log) -> tuple[ModelShape, str]:
     if os.path.isdir(os.path.join(folder, "checkpoints")):  # a run of this trainer
         with open(os.path.join(folder, "config.json")) as f:
             return ModelShape(**json.load(f)["model"]), folder
-    return load_hf_folder(folder, weights=False)[0], folder
+    shape, _, cfg = load_hf_folder(folder, weights=False)
+    window = attention_window(cfg)
+    if window is not None and c.seq_len > window:
+        raise ConfigError(f"--seq-len {c.seq_len}: {c.init_from} attends within a sliding window of {window} tokens "
+                          f"(config.json sliding_window), this trainer over the whole sequence; use --seq-len "
+                          f"{window} or less, where the two are the same")
+    return shape, folder
 
 
 def load_init_weights(c: Config, data: TrainData, built: Any, log: Log) -> None:

@@ -74,5 +74,64 @@ def test_pickled_weights_and_unknown_architectures_are_refused(tmp_path):
         load_hf_folder(str(folder))
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
                                                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
-    with pytest.raises(RunError, match="rope scaling 'llama3' is not supported yet"):
+    with pytest.raises(RunError, match=r"rope scaling 'llama3' \(in rope_scaling\) is not supported yet"):
         load_hf_folder(str(folder))
+
+
+def test_rope_scaling_saved_by_transformers_5_is_refused_not_ignored(tmp_path):
+    """Issue 33's silent wrong answer: transformers 5 writes a llama3 rope scaling inside `rope_parameters`;
+    it was loaded without a word (logits off by up to 14). Both layouts are refused in one line now."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path / "new"), safe_serialization=True)
+    saved = json.loads((tmp_path / "new" / "config.json").read_text())
+    assert saved.get("rope_parameters", {}).get("rope_type") == "llama3" and not saved.get("rope_scaling")
+    with pytest.raises(RunError, match=r"rope scaling 'llama3' \(in rope_parameters\) is not supported yet"):
+        load_hf_folder(str(tmp_path / "new"))
+    old = {k: v for k, v in saved.items() if k != "rope_parameters"}  # the hub's older layout of the same model
+    old.update(rope_theta=saved["rope_parameters"]["rope_theta"],
+               rope_scaling={k: v for k, v in saved["rope_parameters"].items() if k != "rope_theta"})
+    (tmp_path / "new" / "config.json").write_text(json.dumps(old))
+    with pytest.raises(RunError, match=r"rope scaling 'llama3' \(in rope_scaling\) is not supported yet"):
+        load_hf_folder(str(tmp_path / "new"))
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "rope scaling 'yarn'"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+     "partial_rotary_factor"),
+    ("hidden_act", "gelu", "hidden_act 'gelu'"),
+    ("attention_dropout", 0.1, "attention_dropout 0.1"),
+    ("layer_types", ["sliding_attention", "full_attention"], "layer_types"),
+    ("mlp_bias", True, "mlp_bias"),
+])
+def test_every_config_key_that_changes_the_computation_is_honoured_or_refused(key, value, says):
+    from slm.model.hf_config import shape_from_hf_config
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 4,
+           "num_hidden_layers": 1, "intermediate_size": 8}
+    assert shape_from_hf_config(cfg).rope_theta == 10000.0
+    assert shape_from_hf_config({**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}).rope_theta \
+        == 5e5  # transformers 5's layout of a plain rope: its theta honoured
+    with pytest.raises(RunError, match=f"^config.json: {says}"):
+        shape_from_hf_config({**cfg, key: value})
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_refused(tmp_path, data_dir):
+    """Mistral attends within `sliding_window`; full attention is the same only while --seq-len fits in it."""
+    from hf_tiny import save_tiny
+
+    from slm.errors import ConfigError
+    from train_optimized import Config, train
+
+    save_tiny("mistral", tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "sliding_window": 32}))
+    with pytest.raises(ConfigError, match=r"^--seq-len 64: .* sliding window of 32 tokens .*use --seq-len 32 or less"):
+        train(Config(init_from=str(tmp_path / "hf"), tokenizer=None, dataset_id=str(data_dir / "tinyshakespeare.txt"),
+                     use_streaming=True, seq_len=64, batch_size=2, max_steps=1, output_dir=str(tmp_path / "run")),
+              log=lambda *_: None)
