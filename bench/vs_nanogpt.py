@@ -3,6 +3,9 @@
     .venv/bin/python bench/vs_nanogpt.py            # the full race (~8 min on a quiet 2-core machine)
     .venv/bin/python bench/vs_nanogpt.py --quick    # a short smoke run of the same steps (~2 min)
     .venv/bin/python bench/vs_nanogpt.py --json out.json --keep   # also write the figures, keep the scratch dir
+    .venv/bin/python bench/vs_nanogpt.py --peer-compile            # nanoGPT at its best CPU setting (torch.compile)
+    .venv/bin/python bench/vs_nanogpt.py --no-quality --shape 10m --speed-steps 80 --skip 20 --peer-compile
+                                                    # the speed race at nanoGPT's GPU Shakespeare model, batch 8
 
 The peer is ../shared/peers/nanoGPT (see its PROVENANCE.md). It is copied to a scratch folder under /tmp
 (never into this repository), its data is prepared there from ../shared/data/tinyshakespeare.txt by its own
@@ -52,6 +55,12 @@ Then (not --no-floor) the ceiling: our step's matrix products alone at that shap
 the step is, nothing else), and nanoGPT's median step over that floor: the speed ratio a step that cost
 nothing but its matrix products would reach.
 
+--shape 10m: the speed race at nanoGPT's Shakespeare GPU model instead (6 layers, d_model 384, 6 heads, seq
+256), with batch 8 so a step takes about a second on 2 cores; ours gets --target-params = nanoGPT's
+get_num_params() there, so SwiGLU's d_ff matches GELU's parameter count. The floor is measured at the baby
+shape only. --peer-compile runs nanoGPT with --compile=True (torch.compile: its best CPU setting; its first
+iterations compile and fall in the skipped warm-up) in both races.
+
 Precision: both of our runs (and the floor) take --matmul-precision, by default bfloat16 where the CPU has
 AVX512-BF16 or AMX-BF16 (the projections', MLP's and head's products with bf16 operands and float32 sums;
 slm/model/matmul.py), else float32. nanoGPT's recipe on CPU runs float32 (its train.py uses no autocast on
@@ -91,9 +100,23 @@ NANOGPT_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile
 # nanoGPT's shape, its optimizer (AdamW, cosine) and its --dropout=0.0: the speed race times the same algorithm in
 # both programs (the trainer's default Muon spends extra FLOPs per step that 6 x params x tokens does not count, and
 # its default dropout from the second epoch on would start within the race's 500 steps, with a compile).
+SHAPES = {  # the speed race's shapes: nanoGPT's CPU baby GPT, and its Shakespeare GPU model at batch 8
+    "baby": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12),
+    "10m": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8),
+}
+SAME_ALGORITHM = ["--optimizer", "adamw", "--schedule", "cosine", "--dropout", "0"]
 BABY = ["--n-layers", "4", "--d-model", "128", "--n-heads", "4", "--seq-len", "64", "--batch-size", "12",
-        "--target-params", "800000", "--optimizer", "adamw", "--schedule", "cosine", "--dropout", "0"]
-TOKENS_PER_STEP = 12 * 64
+        "--target-params", "800000", *SAME_ALGORITHM]
+
+
+def shape_flags(shape: dict, target: int) -> tuple[list[str], list[str]]:
+    """(nanoGPT's flags, ours) for a speed-race shape."""
+    theirs = [f"--n_layer={shape['n_layer']}", f"--n_head={shape['n_head']}", f"--n_embd={shape['n_embd']}",
+              f"--block_size={shape['block_size']}", f"--batch_size={shape['batch_size']}"]
+    ours = ["--n-layers", str(shape["n_layer"]), "--d-model", str(shape["n_embd"]), "--n-heads", str(shape["n_head"]),
+            "--seq-len", str(shape["block_size"]), "--batch-size", str(shape["batch_size"]), "--target-params",
+            str(target), *SAME_ALGORITHM]
+    return theirs, ours
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -123,6 +146,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer-huge-pages", action="store_true",
                    help="run nanoGPT under the trainer's huge-page malloc too (GLIBC_TUNABLES=glibc.malloc.hugetlb=1; "
                         "the trainer sets it for itself, slm/cli/malloc.py): the same allocator for both")
+    p.add_argument("--shape", default="baby", choices=sorted(SHAPES), help="the speed race's shape (default baby)")
+    p.add_argument("--peer-compile", action="store_true", help="nanoGPT with --compile=True (torch.compile)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, runs, checkpoints)")
     a = p.parse_args()
@@ -271,8 +296,11 @@ def char_tokenizer(path: str, peer: str) -> None:
 
 # ---------------------------------------------------------------- running the two programs
 
-def nanogpt_cmd(iters: int, out_dir: str, speed: bool) -> list[str]:
-    extra = [f"--max_iters={iters}", f"--lr_decay_iters={iters}", f"--out_dir={out_dir}"]
+def nanogpt_cmd(iters: int, out_dir: str, speed: bool, compile_: bool = False,
+                shape: list[str] = ()) -> list[str]:
+    extra = [f"--max_iters={iters}", f"--lr_decay_iters={iters}", f"--out_dir={out_dir}", *shape]
+    if compile_:
+        extra += ["--compile=True"]  # after the recipe's --compile=False: the last flag wins in its configurator
     if not speed and iters % 250:  # the recipe evaluates (and keeps a checkpoint) every 250: also at the end
         extra += [f"--eval_interval={iters}"]
     if speed:  # no eval after iteration 0, no checkpoint
@@ -504,7 +532,7 @@ def quality_race(a: argparse.Namespace, peer: str, scratch: str) -> dict:
     def nanogpt(watch: Watch):
         shutil.rmtree(ng_out, ignore_errors=True)
         print(f"[quality] {uptime()}", flush=True)
-        return run_timed(nanogpt_cmd(a.iters, ng_out, speed=False), peer, ng_log, a.timeout, watch)
+        return run_timed(nanogpt_cmd(a.iters, ng_out, False, a.peer_compile), peer, ng_log, a.timeout, watch)
 
     wall, load = attempts(a, "nanoGPT's quality run", nanogpt, out["waits"], out["restarts"])
     steps = nanogpt_step_times(ng_log)
@@ -547,11 +575,16 @@ def speed_race(a: argparse.Namespace, peer: str, scratch: str) -> dict:
     char_tokenizer(tok, peer)
     run_dir = os.path.join(scratch, "ours-speed")
     ng_out = os.path.join(peer, "out-speed")
+    shape = SHAPES[a.shape]
+    ng_params = nanogpt_params(peer, shape)
+    theirs, our_shape = shape_flags(shape, 800_000 if a.shape == "baby" else ng_params)
+    tokens_per_step = shape["batch_size"] * shape["block_size"]
     # No --eval-dataset-id: a 1,024-token held-out head keeps the end-of-run eval short (it is not timed).
     ours = ours_cmd(run_dir, "--dataset-id", os.path.join(DATA, "tinyshakespeare_train.txt"), "--tokenizer", tok,
-                    *BABY, "--matmul-precision", a.matmul_precision, "--max-steps", str(a.speed_steps), "--log-every", "1", "--eval-tokens", "1024",
-                    "--eval-every", "1000000000", "--checkpoint-every", "1000000000")
-    jobs = {"nanoGPT": (nanogpt_cmd(a.speed_steps, ng_out, speed=True), peer,
+                    *our_shape, "--matmul-precision", a.matmul_precision, "--max-steps", str(a.speed_steps),
+                    "--log-every", "1", "--eval-tokens", "1024", "--eval-every", "1000000000",
+                    "--checkpoint-every", "1000000000")
+    jobs = {"nanoGPT": (nanogpt_cmd(a.speed_steps, ng_out, True, a.peer_compile, theirs), peer,
                         os.path.join(scratch, "nanogpt-speed.log")),
             "ours": (ours, ROOT, os.path.join(scratch, "ours-speed.log"))}
     waits, restarts = [], []
@@ -568,21 +601,20 @@ def speed_race(a: argparse.Namespace, peer: str, scratch: str) -> dict:
     us_med, us_n = median_over(ours_step_times(run_dir), first, last)
     with open(os.path.join(run_dir, "config.json")) as f:
         cfg = json.load(f)
-    ng_params = nanogpt_params(peer)
-    out = {"steps": [first, last], "slice_s": a.slice, "waits": waits, "restarts": restarts,
+    out = {"shape": a.shape, "peer_compile": a.peer_compile, "steps": [first, last], "slice_s": a.slice, "waits": waits, "restarts": restarts,
            "nanoGPT": {"median_step_s": ng_med, "n": ng_n, "params": ng_params, **stats["nanoGPT"]},
            "ours": {"median_step_s": us_med, "n": us_n, "params": cfg["params"], "model": cfg["model"],
                     "devices": cfg["devices"], **stats["ours"]}}
     for k in ("nanoGPT", "ours"):
         r = out[k]
-        r["tokens_per_sec"] = TOKENS_PER_STEP / r["median_step_s"]
+        r["tokens_per_sec"] = tokens_per_step / r["median_step_s"]
         r["gflops"] = 6 * r["params"] * r["tokens_per_sec"] / 1e9
         print(f"[speed] {k}: median step {r['median_step_s'] * 1e3:.2f} ms over steps {first}-{last} ({r['n']} steps), "
               f"{r['tokens_per_sec']:,.0f} tok/s, {r['gflops']:.1f} model GFLOP/s (6 x {r['params']:,} x tok/s); ran "
               f"{r['run_s']:.0f}s in {r['slices']} slices, during which {load_line(r)}", flush=True)
     out["ratio"] = out["ours"]["gflops"] / out["nanoGPT"]["gflops"]
     out["step_time_ratio"] = out["nanoGPT"]["median_step_s"] / out["ours"]["median_step_s"]
-    if not a.no_floor:
+    if not a.no_floor and a.shape == "baby":
         out["floor_s"] = matmul_floor(a.matmul_precision)
         print(f"[speed] our step's matrix products alone (bench/step_variants.py --floor-only): "
               f"{out['floor_s'] * 1e3:.2f} ms", flush=True)
@@ -603,8 +635,8 @@ def matmul_floor(matmul: str = "float32") -> float:
     return float(line.split("matmuls only:")[1].split("ms")[0]) / 1e3
 
 
-def nanogpt_params(peer: str) -> int:
-    """nanoGPT's get_num_params() at the baby shape (all parameters less the position table)."""
+def nanogpt_params(peer: str, shape: dict = SHAPES["baby"]) -> int:
+    """nanoGPT's get_num_params() at a shape (all parameters less the position table)."""
     import torch  # noqa: F401  (model.py needs it)
 
     sys.path.insert(0, peer)
@@ -612,8 +644,8 @@ def nanogpt_params(peer: str) -> int:
         from model import GPT, GPTConfig
     finally:
         sys.path.remove(peer)
-    return GPT(GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, dropout=0.0,
-                         bias=False)).get_num_params()
+    return GPT(GPTConfig(vocab_size=65, dropout=0.0, bias=False, **{k: v for k, v in shape.items()
+                                                                   if k != "batch_size"})).get_num_params()
 
 
 def main() -> None:
@@ -627,6 +659,7 @@ def main() -> None:
     print(f"vs nanoGPT, one sitting: {m['date']} | {m['cpu']}, {m['cores']} cores | python {m['python']}, "
           f"jax {m['jax']}, jaxlib {m['jaxlib']}, flax {m['flax']}, optax {m['optax']}, torch {m['torch']}, "
           f"numpy {m['numpy']} | ours --matmul-precision {a.matmul_precision}{' | --quick' if a.quick else ''}"
+          f" | speed race at the {a.shape} shape | nanoGPT {'--compile=True' if a.peer_compile else 'as its recipe (no compile)'}"
           f"{' | nanoGPT under GLIBC_TUNABLES=' + os.environ['GLIBC_TUNABLES'] if a.peer_huge_pages else ''}", flush=True)
     start_uptime = uptime()
     print(f"[start] {start_uptime}", flush=True)
