@@ -197,13 +197,36 @@ def _cpu_jiffies() -> tuple[int, int]:
     return user + nice + system + irq + softirq, steal
 
 
-def _proc_jiffies(pid: int) -> int:
+def _stat(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime + stime, all threads
-    except (OSError, IndexError, ValueError):
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _proc_jiffies(pid: int) -> int:
+    """CPU of a live process and of the children it has reaped (torch.compile's g++ runs, say)."""
+    fields = _stat(pid)
+    try:  # utime + stime (all threads) + cutime + cstime
+        return sum(int(fields[i]) for i in (11, 12, 13, 14))
+    except (IndexError, ValueError):
         return 0
+
+
+def _with_descendants(pids: tuple[int, ...]) -> set[int]:
+    """The processes and every live descendant (compiler processes not yet reaped)."""
+    parent = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (fields := _stat(int(name))):
+            parent[int(name)] = int(fields[1])
+    out, todo = set(pids), list(pids)
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p and c not in out]
+        out.update(kids)
+        todo += kids
+    return out
 
 
 class Others:
@@ -216,7 +239,7 @@ class Others:
 
     def _mine(self) -> float:
         t = os.times()  # self + reaped children, in seconds
-        live = sum(_proc_jiffies(p) for p in self.pids) / CLK
+        live = sum(_proc_jiffies(p) for p in _with_descendants(self.pids)) / CLK
         return t.user + t.system + t.children_user + t.children_system + live
 
     def done(self) -> dict:
@@ -651,6 +674,8 @@ def nanogpt_params(peer: str, shape: dict = SHAPES["baby"]) -> int:
 def main() -> None:
     a = parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # the finally blocks end the programs
+    if a.peer_compile:  # inductor compiles in nanoGPT's process: a pool of compile workers would read as load
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # from other programs (their CPU is not yet our children's)
     if a.peer_huge_pages:  # inherited by every program started from here (ours sets it for itself anyway)
         from slm.cli.malloc import with_huge_pages
 
@@ -664,6 +689,7 @@ def main() -> None:
     start_uptime = uptime()
     print(f"[start] {start_uptime}", flush=True)
     scratch = tempfile.mkdtemp(prefix="vs-nanogpt-", dir="/tmp")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "inductor")  # a killed race's half-written .so
     results: dict = {"machine": m, "args": vars(a), "uptime_start": start_uptime}
     try:
         peer = setup_scratch(scratch)
