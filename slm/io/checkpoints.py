@@ -28,6 +28,7 @@ import warnings
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from slm.errors import DiskFullError, RunError, first_line
@@ -97,6 +98,10 @@ class Checkpointer:
         if size is None:
             size = sum(x.nbytes for x in jax.tree.leaves(state)) + len(json.dumps(loader or {}))
         need, free = size * 1.1 + 2**20, self.disk_usage(self.directory).free
+        if jax.process_count() > 1:  # process 0's reading for all: every process must take the same branch
+            from jax.experimental import multihost_utils
+
+            free = float(multihost_utils.broadcast_one_to_all(np.float64(free)))
         if free < need:
             self._raise_full(step, need, free)
 
