@@ -1,4 +1,4 @@
-"""Tiny random Llama, Mistral and Qwen2 models saved by transformers (grouped-query attention, each family's
+"""Tiny random Llama, Mistral, Qwen2 and Qwen3 models saved by transformers (grouped-query attention, each family's
 rope theta and RMSNorm eps, Qwen2's q/k/v biases, tied and untied heads; norms and biases randomised so a
 mix-up shows), for the loading and fine-tuning tests."""
 
@@ -10,6 +10,8 @@ FAMILIES = {
     "llama": dict(rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
     "mistral": dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=None),
     "qwen2": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # Qwen3: per-head q/k RMSNorms, and a head_dim (32) that is not hidden / heads (16)
+    "qwen3": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, head_dim=32),
 }
 
 
@@ -17,7 +19,7 @@ def save_tiny(family: str, out, seed: int = 0, vocab_size: int = 128, tokenizer=
     """Save a tiny random model of `family` to `out` (with `tokenizer` as its tokenizer.json when given)."""
     import transformers
 
-    cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     config = getattr(transformers, f"{cls}Config")(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, **FAMILIES[family])

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
@@ -25,7 +26,7 @@ FORMATS = ("hf", "peft", "gguf")
 def build_parser() -> argparse.ArgumentParser:
     from slm.io.gguf_export import GGUF_TYPES
 
-    p = Parser(error_class=ExportError, description="Write a run's checkpoint as a Hugging Face LlamaForCausalLM folder "
+    p = Parser(error_class=ExportError, description="Write a run's checkpoint as a Hugging Face folder (Llama, Qwen2 or Qwen3) "
                "(--format hf, the default), a PEFT LoRA adapter folder (--format peft) or a GGUF file for llama.cpp "
                "(--format gguf).")
     p.add_argument("--run", required=True, metavar="DIR", help="a run's output dir (config.json, tokenizer.json, "
@@ -77,7 +78,9 @@ def _hf(args: argparse.Namespace, err: Any) -> list[str]:
                            special=loaded.special, tokenizer_file=os.path.join(args.run, "tokenizer.json"),
                            metadata={"step": str(loaded.step)})
     size = os.path.getsize(os.path.join(args.out, WEIGHTS))
-    print(f"[export_hf] step {loaded.step} of {args.run} -> {args.out}: LlamaForCausalLM "
+    with open(os.path.join(args.out, "config.json")) as f:
+        arch = json.load(f)["architectures"][0]  # Llama, Qwen2 or Qwen3 (slm.io.hf_export.hf_config)
+    print(f"[export_hf] step {loaded.step} of {args.run} -> {args.out}: {arch} "
           f"{shape.n_layers}x{shape.d_model} ({shape.n_heads} heads, ffn {shape.d_ff}, vocab {shape.vocab_size}), "
           f"{size / 1e6:.1f} MB float32; files: {', '.join(written)}", file=err)
     return written

@@ -184,7 +184,7 @@ def write_gguf(path: str, params: Mapping[str, Any], shape: ModelShape, max_posi
 
     if gguf_type not in GGUF_TYPES:
         raise ExportError(f"--gguf-type {gguf_type}: choose one of {', '.join(GGUF_TYPES)}")
-    arch = "qwen2" if shape.qkv_bias else "llama"
+    arch = "qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else "llama"  # qwen3: q/k norms, neox rope
     tensors = gguf_tensors(params, shape, arch)  # before the file: a mapping error leaves nothing behind
     tmp = f"{path}.tmp"
     writer = gguf.GGUFWriter(tmp, arch)

@@ -105,6 +105,9 @@ def hf_state_dict(params: Mapping[str, Any], shape: ModelShape) -> dict[str, np.
             if shape.qkv_bias:
                 out[f"{pre}.self_attn.{name}_proj.bias"] = _f32(np.asarray(qkv["bias"])[a:b])
         out[f"{pre}.self_attn.o_proj.weight"] = _f32(np.asarray(block["attn"]["o"]["kernel"]).T)
+        if shape.qk_norm:
+            for p in "qk":
+                out[f"{pre}.self_attn.{p}_norm.weight"] = _f32(block["attn"][f"{p}_norm"]["scale"])
         out[f"{pre}.post_attention_layernorm.weight"] = _f32(block["mlp_norm"]["scale"])
         out[f"{pre}.mlp.gate_proj.weight"] = _f32(gate_up_Dx2F[:, :F].T)
         out[f"{pre}.mlp.up_proj.weight"] = _f32(gate_up_Dx2F[:, F:].T)
@@ -120,10 +123,14 @@ def hf_config(shape: ModelShape, max_positions: int, special: SpecialIds) -> dic
     rope_theta into rope_parameters (keeping rope_parameters' own value) and takes torch_dtype silently
     when dtype is set, and 4.x ignores the keys it does not know.
     """
-    qwen2 = shape.qkv_bias  # Llama's attention_bias would put a bias on o_proj too; Qwen2 has q/k/v only
+    # Llama's attention_bias would put a bias on o_proj too; Qwen2 has q/k/v only; Qwen3 has q/k norms
+    family = "qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else "llama"
+    if shape.qk_norm and shape.qkv_bias:
+        raise ExportError("a model with both q/k/v biases and q/k norms has no transformers family to export to")
     return {
-        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen2 else "llama",
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}[family]],
+        "model_type": family,
         "vocab_size": shape.vocab_size,
         "hidden_size": shape.d_model,
         "intermediate_size": shape.d_ff,

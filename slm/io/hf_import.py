@@ -79,6 +79,7 @@ def _tensors(files: list[str], dtype: Any = np.float32) -> Iterator[tuple[str, n
 def _layer_names(shape: ModelShape) -> set[str]:
     names = {f"self_attn.{p}_proj.weight" for p in "qkvo"} | {f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
     names |= {"input_layernorm.weight", "post_attention_layernorm.weight"}
+    names |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"} if shape.qk_norm else set()
     return names | ({f"self_attn.{p}_proj.bias" for p in "qkv"} if shape.qkv_bias else set())
 
 
@@ -114,7 +115,7 @@ def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray],
                            f"Llama/Mistral/Qwen2 checkpoint?")
     for name, (key, _) in top.items():
         if key not in params:
-            raise RunError(f"{folder}: the weights have no tensor {name}; is it a Llama/Mistral/Qwen2 checkpoint?")
+            raise RunError(f"{folder}: the weights have no tensor {name}; is it a Llama/Mistral/Qwen2/Qwen3 checkpoint?")
     return params
 
 
@@ -132,9 +133,12 @@ def _block(t: dict, shape: ModelShape, folder: str) -> dict:
     if shape.qkv_bias:
         qkv["bias"] = np.concatenate([_need(t, f"self_attn.{p}_proj.bias", (n * K,), folder) for p, n in heads])
     gate_up = [_need(t, f"mlp.{p}_proj.weight", (F, D), folder).T for p in ("gate", "up")]
+    attn = {"qkv": qkv, "o": {"kernel": np.ascontiguousarray(_need(t, "self_attn.o_proj.weight", (D, H * K), folder).T)}}
+    if shape.qk_norm:
+        attn |= {f"{p}_norm": {"scale": _need(t, f"self_attn.{p}_norm.weight", (K,), folder)} for p in "qk"}
     return {
         "attn_norm": {"scale": _need(t, "input_layernorm.weight", (D,), folder)},
-        "attn": {"qkv": qkv, "o": {"kernel": np.ascontiguousarray(_need(t, "self_attn.o_proj.weight", (D, H * K), folder).T)}},
+        "attn": attn,
         "mlp_norm": {"scale": _need(t, "post_attention_layernorm.weight", (D,), folder)},
         "mlp": {"gate_up": {"kernel": np.concatenate(gate_up, axis=1)},
                 "down": {"kernel": np.ascontiguousarray(_need(t, "mlp.down_proj.weight", (D, F), folder).T)}},
@@ -144,7 +148,7 @@ def _block(t: dict, shape: ModelShape, folder: str) -> dict:
 def _need(tensors: dict, name: str, shape: tuple, folder: str) -> np.ndarray:
     x = tensors.pop(name, None)
     if x is None:
-        raise RunError(f"{folder}: the weights have no tensor {name}; is it a Llama/Mistral/Qwen2 checkpoint?")
+        raise RunError(f"{folder}: the weights have no tensor {name}; is it a Llama/Mistral/Qwen2/Qwen3 checkpoint?")
     if tuple(x.shape) != shape:
         raise RunError(f"{folder}: {name} is {tuple(x.shape)}, config.json implies {shape}")
     return x

@@ -23,6 +23,7 @@ from slm.model.transformer import (
     dense,
     head_weights,
     project_qkv,
+    normed_qk,
     rotary_at,
 )
 
@@ -53,6 +54,7 @@ class CachedAttention(nn.Module):
         assert T <= S, f"{T} new tokens do not fit a cache of {S} positions"
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
         q, k, v = project_qkv(self.shape, self.dtype, x_BxTxD)
+        q, k = normed_qk(self.shape, q, k)
         q, k = rotary_at(q, start, S, theta), rotary_at(k, start, S, theta)
         k_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)
         v_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)

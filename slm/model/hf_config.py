@@ -10,7 +10,8 @@ from __future__ import annotations
 from slm.errors import RunError
 from slm.model.sizing import ModelShape
 
-FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3"}
 
 
 def shape_from_hf_config(cfg: dict, where: str = "config.json") -> ModelShape:
@@ -27,7 +28,7 @@ def shape_from_hf_config(cfg: dict, where: str = "config.json") -> ModelShape:
         head_size=None if head * H == D else head,
         qkv_bias=FAMILIES[arch] == "qwen2" or bool(cfg.get("attention_bias")),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_theta=rope_theta(cfg),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), qk_norm=FAMILIES[arch] == "qwen3",
     )
 
 

@@ -50,6 +50,7 @@ class ModelShape:
     tie_embeddings: bool = True  # the output projection is the token embedding
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotation (Qwen3)
 
     @property
     def head_dim(self) -> int:
@@ -69,7 +70,8 @@ def count_params(shape: ModelShape) -> int:
     V, L, D, F = shape.vocab_size, shape.n_layers, shape.d_model, shape.d_ff
     qkv = (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim
     attn = D * qkv + shape.n_heads * shape.head_dim * D + (qkv if shape.qkv_bias else 0)
-    return V * D * (1 if shape.tie_embeddings else 2) + L * (attn + 3 * D * F + 2 * D) + D
+    norms = 2 * D + (2 * shape.head_dim if shape.qk_norm else 0)
+    return V * D * (1 if shape.tie_embeddings else 2) + L * (attn + 3 * D * F + norms) + D
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> int:

@@ -132,6 +132,14 @@ def project_qkv(shape: ModelShape, dtype: Dtype, x_BxLxD: jax.Array, module: nn.
     return qkv[:, :, :H], qkv[:, :, H:H + G], qkv[:, :, H + G:]
 
 
+def normed_qk(shape: ModelShape, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Qwen3's per-head RMSNorm of q and k (params "q_norm", "k_norm" of width K, inside the calling module),
+    before the rotation; q and k unchanged for the other families."""
+    if not shape.qk_norm:
+        return q, k
+    return RMSNorm(shape.norm_eps, name="q_norm")(q), RMSNorm(shape.norm_eps, name="k_norm")(k)
+
+
 def attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mask_LxS: jax.Array,
            dtype: Dtype) -> jax.Array:
     """Scaled dot-product attention under a boolean mask -> (B, L, H, K). With G < H key/value heads each
@@ -172,6 +180,7 @@ class Attention(nn.Module):
         H, K, theta = self.shape.n_heads, self.shape.head_dim, self.shape.rope_theta
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
         q, k, v = project_qkv(self.shape, self.dtype, x_BxLxD, self, self.lora, self.matmul)
+        q, k = normed_qk(self.shape, q, k)
         if layout is None:  # one causal sequence
             q, k, mask = rotary(q, theta), rotary(k, theta), jnp.tril(jnp.ones((L, L), dtype=bool))
         else:  # packed documents kept apart (document_layout)

@@ -1,7 +1,8 @@
-"""slm.io.hf_import (issue 15, first part): tiny random Llama, Mistral and Qwen2 models saved by transformers
-(grouped-query attention, rope theta, RMSNorm eps, Qwen2's q/k/v biases, tied and untied heads; norms and
-biases randomised) load into this trainer's model with float32 logits within 1e-4 of transformers' and the
-same greedy continuation token for token; exported back, transformers reads the same logits again."""
+"""slm.io.hf_import (issue 15, first part; Qwen3 from issue 33): tiny random Llama, Mistral, Qwen2 and Qwen3
+models saved by transformers (grouped-query attention, rope theta, RMSNorm eps, Qwen2's q/k/v biases, Qwen3's
+q/k norms and head_dim != hidden / heads, tied and untied heads; norms and biases randomised) load into this
+trainer's model with float32 logits within 1e-4 of transformers' and the same greedy continuation token for
+token; exported back, transformers reads the same logits again."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from slm.errors import RunError
 from slm.io.hf_export import write_export
 from slm.io.hf_import import load_hf_folder
 from slm.model.generate import generate_ids
+from slm.model.sizing import count_params
 from slm.model.transformer import Transformer
 
 TOL = 1e-4
@@ -26,7 +28,8 @@ TOL = 1e-4
 def test_logits_and_greedy_generation_match_transformers(family, tmp_path):
     hf = save_tiny(family, tmp_path / "hf")
     shape, params, _ = load_hf_folder(str(tmp_path / "hf"))
-    assert shape.kv_heads == 2 and shape.qkv_bias == (family == "qwen2")
+    assert shape.kv_heads == 2 and shape.qkv_bias == (family == "qwen2") and shape.qk_norm == (family == "qwen3")
+    assert count_params(shape) == sum(p.numel() for p in hf.parameters())
     assert shape.tie_embeddings == FAMILIES[family]["tie_word_embeddings"]
     assert sum(p.numel() for p in hf.parameters()) == sum(x.size for x in _leaves(params))
     model = Transformer(shape)

@@ -1,6 +1,7 @@
 """export_hf --format peft against its real consumer: a LoRA run's adapter folder loaded by
 `peft.PeftModel.from_pretrained` on the transformers base gives the merged export's logits (fp32, 1e-4); the same
-run written as a merged GGUF (qwen2, f16) gives them within 0.05 through transformers' GGUF reader.
+run written as a merged GGUF (qwen2 or qwen3, f16) gives them within 0.05 through transformers' GGUF reader.
+Both for a Qwen2 base and a Qwen3 one (q/k norms, head_dim != hidden / heads).
 
 Needs torch, transformers, peft and gguf (requirements-dev.txt / requirements.txt); export_hf imports none of
 torch, transformers or peft."""
@@ -29,19 +30,20 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 VOCAB = 300
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory, data_dir):
-    """A tiny Qwen2 folder saved by transformers (GQA 4/2, q/k/v biases, tied) and a 3-step LoRA run on it with
-    adapters on all seven projections (rank 4, alpha 8: scale 2), trained hard enough to move the logits."""
-    root = tmp_path_factory.mktemp("peft")
-    save_tiny("qwen2", root / "base", vocab_size=VOCAB, tokenizer=train_bpe(DOCS, VOCAB))
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def lora_run(request, tmp_path_factory, data_dir):
+    """A tiny Qwen2 folder saved by transformers (GQA 4/2, q/k/v biases, tied), or a Qwen3 one (q/k norms,
+    head_dim 32), and a 3-step LoRA run on it with adapters on all seven projections (rank 4, alpha 8: scale
+    2), trained hard enough to move the logits."""
+    root = tmp_path_factory.mktemp(f"peft-{request.param}")
+    save_tiny(request.param, root / "base", vocab_size=VOCAB, tokenizer=train_bpe(DOCS, VOCAB))
     run = root / "run"
     assert train_main(["--use-streaming", "--init-from", str(root / "base"), "--dataset-id",
                        str(data_dir / "tinyshakespeare_train.txt"), "--seq-len", "32", "--batch-size", "4",
                        "--eval-tokens", "128", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
                        ",".join(TARGETS), "--learning-rate", "2e-2", "--max-steps", "3", "--eval-every", "3",
                        "--output-dir", str(run)]) == 0
-    return root / "base", run
+    return root / "base", run, request.param
 
 
 def _logits(model, ids: np.ndarray) -> np.ndarray:
@@ -62,7 +64,8 @@ def test_peft_adapter_loads_on_the_base_with_the_merged_logits(lora_run, tmp_pat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base_dir, run = lora_run
+    base_dir, run, family = lora_run
+    head = 32 if family == "qwen3" else 16
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
     proc = _cli("--run", str(run), "--out", str(adapter), "--format", "peft")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -77,7 +80,7 @@ def test_peft_adapter_loads_on_the_base_with_the_merged_logits(lora_run, tmp_pat
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
     assert len(tensors) == 2 * 2 * len(TARGETS)  # 2 layers, A and B per target
     assert tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"].shape == (4, 64)
-    assert tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"].shape == (32, 4)  # 2 kv heads
+    assert tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"].shape == (2 * head, 4)  # 2 kv heads
     assert tensors["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (4, 96)
 
     load = {"dtype": torch.float32, "attn_implementation": "eager"}
@@ -104,12 +107,22 @@ def test_peft_adapter_loads_on_the_base_with_the_merged_logits(lora_run, tmp_pat
 def test_lora_run_as_merged_gguf(lora_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    _, run = lora_run
+    _, run, family = lora_run
     merged, path = tmp_path / "merged", tmp_path / "gguf" / "tiny.gguf"
     assert export_main(["--run", str(run), "--out", str(merged)]) == 0
     assert export_main(["--run", str(run), "--out", str(path), "--format", "gguf"]) == 0
+    if family == "qwen3":  # transformers' GGUF reader ignores qwen3's attention.key_length (llama.cpp reads it),
+        import gguf  # so it cannot build a head_dim 32 model: check the file itself
+
+        reader = gguf.GGUFReader(str(path))
+        value = lambda key: reader.fields[key].contents()  # noqa: E731
+        assert value("general.architecture") == "qwen3" and value("qwen3.attention.key_length") == 32
+        tensors = {t.name: tuple(t.shape) for t in reader.tensors}
+        assert tensors["blk.1.attn_q_norm.weight"] == (32,) and tensors["blk.1.attn_k_norm.weight"] == (32,)
+        return
     gguf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    assert type(gguf_model).__name__ == "Qwen2ForCausalLM"  # q/k/v biases: llama.cpp's qwen2 graph
+    # q/k/v biases: llama.cpp's qwen2 graph; q/k norms: its qwen3 graph
+    assert type(gguf_model).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
     ids = np.random.default_rng(1).integers(0, VOCAB, (3, 40))
     reference = _logits(AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval(), ids)
     diff = float(np.abs(_logits(gguf_model, ids) - reference).max())
