@@ -109,6 +109,7 @@ class Checkpointer:
         """A save that failed: a full disk becomes a DiskFullError (its partial files removed), else re-raised."""
         if not (is_disk_full(e) or self.quiet.seen):
             raise e
+        self.quiet.seen = self.quiet.seen or first_line(e)  # from here on orbax's echoes of it are held back
         try:
             self.manager.wait_until_finished()  # orbax's other writer threads may still be going
         except Exception:
@@ -309,6 +310,8 @@ class _QuietDiskFull(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage() + (repr(record.exc_info[1]) if record.exc_info else "")
+        if self.seen and "orbax-checkpoint-tmp" in text:  # a writer thread that lost the failed save's
+            return False  # temporary dir, which the Checkpointer removed: an echo of the same full disk
         if not _is_disk_full_text(text):
             return True
         self.seen = self.seen or first_line(Exception(text))
@@ -318,7 +321,8 @@ class _QuietDiskFull(logging.Filter):
         text = f"{type(u.exc_value).__name__}: {u.exc_value}"
         if _is_disk_full_text(text):
             self.seen = self.seen or first_line(u.exc_value)
-        elif not ("Event loop is closed" in text or (self.seen and "sys.meta_path is None" in text)
+        elif not ("Event loop is closed" in text or (self.seen and ("sys.meta_path is None" in text
+                                                                    or "orbax-checkpoint-tmp" in text))
                   or (self.read_failed and "error while reading" in text)):
             self.previous(u)
 
