@@ -217,9 +217,12 @@ class Checkpointer:
             problem = self.check(step)
             if problem is None:
                 return step
-            log(f"[resume] checkpoint {step} is damaged ({problem}): moved aside to {self.set_aside(step)}; "
-                f"trying the one before")
+            self._set_aside_damaged(step, problem, log)
         return None
+
+    def _set_aside_damaged(self, step: int, why: str, log: Callable[[str], None]) -> None:
+        log(f"[resume] checkpoint {step} is damaged ({why}): moved aside to {self.set_aside(step)}; "
+            f"trying the one before")
 
     def path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
@@ -253,7 +256,7 @@ class Checkpointer:
             manifest = has_manifest(self.path(step))
             if not manifest and _damaged_data(e) and jax.process_count() == 1:
                 self.quiet.failed_read()
-                raise Unreadable(first_line(_root_cause(e), 160)) from None
+                raise Unreadable(first_line(_chain(e)[-1], 160)) from None
             checked = "passed its manifest check" if manifest else "has no manifest to check"
             raise RunError(f"checkpoint {self.path(step)} could not be restored ({first_line(e)}); it {checked}. "
                            f"Move it aside (mv {step} {step}{DAMAGED}) to resume from the one before") from None
@@ -268,8 +271,7 @@ class Checkpointer:
             try:
                 return self.restore(abstract_state, step)
             except Unreadable as e:
-                log(f"[resume] checkpoint {step} is damaged ({e}; it had no manifest): moved aside to "
-                    f"{self.set_aside(step)}; trying the one before")
+                self._set_aside_damaged(step, f"{e}; it had no manifest", log)
         return None
 
     def wait(self) -> None:
@@ -354,20 +356,19 @@ class Unreadable(Exception):
     """A checkpoint without a manifest whose data failed to read back (Checkpointer.restore_sound's cue)."""
 
 
+def _chain(e: BaseException | None) -> list[BaseException]:
+    """An exception and the ones it was raised from or during, outermost first."""
+    out = []
+    while e is not None:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
 def _damaged_data(e: BaseException | None) -> bool:
     """Whether a restore failed on the bytes it read (truncated, garbled), not on a mismatch of code and tree."""
     signs = ("Error reading", "DATA_LOSS", "OUT_OF_RANGE", "Unterminated string", "Expecting", "corrupt")
-    while e is not None:
-        if isinstance(e, json.JSONDecodeError) or any(sign in str(e) for sign in signs):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _root_cause(e: BaseException) -> BaseException:
-    while (inner := e.__cause__ or e.__context__) is not None:
-        e = inner
-    return e
+    return any(isinstance(x, json.JSONDecodeError) or any(sign in str(x) for sign in signs) for x in _chain(e))
 
 
 def _is_disk_full_text(text: str) -> bool:
@@ -376,11 +377,7 @@ def _is_disk_full_text(text: str) -> bool:
 
 def is_disk_full(e: BaseException | None) -> bool:
     """ENOSPC anywhere in an exception's chain (orbax wraps tensorstore's as ValueError: RESOURCE_EXHAUSTED)."""
-    while e is not None:
-        if getattr(e, "errno", None) == errno.ENOSPC or _is_disk_full_text(str(e)):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return any(getattr(x, "errno", None) == errno.ENOSPC or _is_disk_full_text(str(x)) for x in _chain(e))
 
 
 def _leaf_paths(tree: Any) -> set[str]:

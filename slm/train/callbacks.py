@@ -220,8 +220,8 @@ class SaveCheckpoints(Callback):
     def on_step(self, run: RunState) -> str | None:
         try:
             self.save(run) if run.due.save else self.ckpt.poll()
-        except DiskFullError as e:  # the checkpointer kept it (ckpt.failure): raised once the summary is written
-            return f"the disk is full: {str(e).split(':')[0]}"
+        except DiskFullError:  # the checkpointer kept it (ckpt.failure): raised once the summary is written
+            return f"the disk is full: checkpoint {self.ckpt.failed_step} not saved"
         return None
 
     def on_train_end(self, run: RunState) -> None:
