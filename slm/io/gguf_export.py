@@ -33,7 +33,6 @@ started every document. Other tokenizers (SentencePiece-style, WordLevel) are re
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +40,7 @@ import numpy as np
 
 from slm.data.tokenizer import SpecialIds
 from slm.errors import ExportError
+from slm.io.atomic import write_atomically
 from slm.io.hf_export import hf_state_dict
 from slm.model.sizing import ModelShape
 
@@ -186,22 +186,20 @@ def write_gguf(path: str, params: Mapping[str, Any], shape: ModelShape, max_posi
         raise ExportError(f"--gguf-type {gguf_type}: choose one of {', '.join(GGUF_TYPES)}")
     arch = "qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else "llama"  # qwen3: q/k norms, neox rope
     tensors = gguf_tensors(params, shape, arch)  # before the file: a mapping error leaves nothing behind
-    tmp = f"{path}.tmp"
-    writer = gguf.GGUFWriter(tmp, arch)
-    try:
-        _write_metadata(writer, shape, arch, max_positions, gguf_type, name)
-        _write_tokenizer(writer, tokenizer, special, shape.vocab_size, chat_template)
-        for key in list(tensors):
-            data, qtype = _encode(tensors.pop(key), gguf_type)
-            writer.add_tensor(key, data, raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    except BaseException:
-        writer.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    writer.close()
-    os.replace(tmp, path)
+
+    def write(tmp: str) -> None:
+        writer = gguf.GGUFWriter(tmp, arch)
+        try:
+            _write_metadata(writer, shape, arch, max_positions, gguf_type, name)
+            _write_tokenizer(writer, tokenizer, special, shape.vocab_size, chat_template)
+            for key in list(tensors):
+                data, qtype = _encode(tensors.pop(key), gguf_type)
+                writer.add_tensor(key, data, raw_dtype=qtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+
+    write_atomically(path, write)  # a failure leaves no partial file behind
     return arch

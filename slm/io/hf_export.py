@@ -56,7 +56,6 @@ same with the exported model to show it a prompt as training did).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -66,6 +65,7 @@ import numpy as np
 
 from slm.data.tokenizer import SpecialIds, special_ids
 from slm.errors import ExportError
+from slm.io.atomic import write_json
 from slm.model.sizing import ModelShape
 
 WEIGHTS = "model.safetensors"
@@ -174,12 +174,6 @@ def tokenizer_config(tokenizer: Any, special: SpecialIds, max_positions: int) ->
         "model_max_length": int(max_positions),
         "clean_up_tokenization_spaces": False,
     }
-
-
-def write_json(path: str, obj: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
 
 
 def save_tensors(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> None:

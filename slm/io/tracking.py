@@ -11,14 +11,15 @@ them, keeping ``import tracking`` free.
 
 from __future__ import annotations
 
-import importlib
 import errno
+import importlib
 import json
 import math
 import os
 import sys
 
 from slm.errors import TrackingError
+from slm.io.atomic import write_atomically
 
 # metrics.jsonl key -> scalar tag. Keys not listed still appear, as train/<key> or eval/<key>.
 TRAIN_TAGS = {"loss": "train/loss", "lr": "train/lr", "tokens": "train/tokens", "tokens_per_sec": "train/tokens_per_sec",
@@ -167,13 +168,7 @@ def plot_loss(metrics_path: str, out_png: str, log_x: bool = False) -> str:
     ax_bpb.xaxis.set_major_formatter(EngFormatter())  # 200 k, 1 M: no "1e6" offset to read
     if ax_loss.lines:
         ax_loss.legend(loc="upper right")
-    tmp = f"{out_png}.tmp{os.getpid()}.png"
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, out_png)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_atomically(out_png, lambda tmp: fig.savefig(tmp, format="png"))
     return out_png
 
 

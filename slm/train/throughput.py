@@ -8,6 +8,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from slm.io.atomic import write_json
+
 # Dense bf16 peak FLOP/s per device from vendor datasheets (no sparsity).
 PUBLISHED_PEAK_FLOPS = {
     "H200": 989e12,
@@ -60,8 +62,7 @@ def cpu_peak_flops(cache: str = os.path.join(os.path.expanduser("~"), ".cache", 
     if best > known.get(key, 0.0):
         try:
             os.makedirs(os.path.dirname(cache), exist_ok=True)
-            with open(cache, "w") as f:
-                json.dump({**known, key: best}, f)
+            write_json(cache, {**known, key: best}, indent=None)  # a second process reads it whole or not at all
         except OSError:
             pass
     return best, f"best measured 2048^3 {matmul} matmul ({measured / 1e9:.0f} GFLOP/s this run)"
