@@ -30,11 +30,13 @@ import os
 import subprocess
 import sys
 import tempfile
+from statistics import median
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DATA = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare.txt")
 CONFIG = os.path.join(ROOT, "..", "shared", "models", "smollm2-135m", "config.json")
+sys.path.insert(0, ROOT)
 
 PEFT_RUN = r'''
 import json, resource, sys, time
@@ -66,17 +68,11 @@ print(json.dumps({"step_s": np.diff(ends).tolist(), "peak_rss_mb": resource.getr
 '''
 
 
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-
-
 def make_base(folder: str, vocab: int) -> int:
     """A random SmolLM2-135M-shaped Llama with a `vocab`-token BPE, saved by transformers; its parameter count."""
     import torch
     import transformers
 
-    sys.path.insert(0, ROOT)
     from slm.data.tokenizer import train_bpe
 
     tok = train_bpe([open(DATA).read()], vocab)
@@ -87,11 +83,6 @@ def make_base(folder: str, vocab: int) -> int:
     model.save_pretrained(folder, safe_serialization=True)
     tok.save(os.path.join(folder, "tokenizer.json"))
     return sum(p.numel() for p in model.parameters())
-
-
-def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
 def run_peft(base: str, a: argparse.Namespace, bf16: bool) -> dict:
@@ -125,6 +116,8 @@ def main() -> None:
     scratch = tempfile.mkdtemp(prefix="vs-peft-")
     base = os.path.join(scratch, "base")
     n = make_base(base, a.vocab)
+    from slm.train.throughput import cpu_model
+
     print(f"vs transformers + peft, one sitting | {cpu_model()}, {os.cpu_count()} cores | base: SmolLM2-135M's "
           f"shape, vocab {a.vocab:,}: {n / 1e6:.1f}M params, float32 | LoRA r16 alpha 32 on q_proj,v_proj | seq 256 x "
           f"batch 4 | median of steps {a.skip + 1}-{a.steps}{' | ours ' + a.ours if a.ours else ''}", flush=True)

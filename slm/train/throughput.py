@@ -51,7 +51,7 @@ def cpu_peak_flops(cache: str = os.path.join(os.path.expanduser("~"), ".cache", 
     A single measurement reads low while other processes share the cores, which would inflate MFU;
     keeping the best across runs makes MFU comparable between runs on the same machine.
     """
-    key = f"{_cpu_model()} x{os.cpu_count()}" + ("" if matmul == "float32" else f" {matmul}")
+    key = f"{cpu_model()} x{os.cpu_count()}" + ("" if matmul == "float32" else f" {matmul}")
     measured = measure_matmul_flops(dtype=matmul)
     try:
         with open(cache) as f:
@@ -68,7 +68,8 @@ def cpu_peak_flops(cache: str = os.path.join(os.path.expanduser("~"), ".cache", 
     return best, f"best measured 2048^3 {matmul} matmul ({measured / 1e9:.0f} GFLOP/s this run)"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
