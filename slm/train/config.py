@@ -57,7 +57,7 @@ class Config:
     shuffle_buffer_size: int = setting(10_000, "Documents in the shuffle buffer (0 or 1: no shuffling)", IDENTITY, "documents")
     max_examples: int | None = setting(None, "Use at most this many training documents per epoch", IDENTITY, "documents")
     # start from a pretrained model
-    init_from: str | None = setting(None, "A Hugging Face model folder or hub id (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; safetensors only) to start from: its shape, weights and tokenizer replace --target-params and the BPE", IDENTITY, unset="off")
+    init_from: str | None = setting(None, "A Hugging Face model folder or hub id (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; safetensors only) to start from: its shape, weights and tokenizer replace --target-params and the BPE", IDENTITY, unset="off")
     init_revision: str | None = setting(None, "With a hub --init-from: the commit to download (default: the newest, recorded here so a resume loads the same weights)", IDENTITY, unset="newest")
     lora_rank: int | None = setting(None, "LoRA: train rank-R adapters on --lora-targets of a frozen --init-from base (no gradients or optimizer state for the base); off: full fine-tuning", IDENTITY, "rank", unset="off")
     lora_alpha: float = setting(16.0, "LoRA scale numerator: adapters add (alpha / rank) * x A B", IDENTITY)
