@@ -1,6 +1,6 @@
-"""Tiny random Llama, Mistral, Qwen2 and Qwen3 models saved by transformers (grouped-query attention, each family's
-rope theta and RMSNorm eps, Qwen2's q/k/v biases, tied and untied heads; norms and biases randomised so a
-mix-up shows), for the loading and fine-tuning tests."""
+"""Tiny random Llama (2 and 3.x), Mistral, Qwen2 and Qwen3 models saved by transformers (grouped-query attention,
+each family's rope theta, rope scaling and RMSNorm eps, Qwen2's q/k/v biases, Qwen3's q/k norms, tied and untied
+heads; norms and biases randomised so a mix-up shows), for the loading and fine-tuning tests."""
 
 from __future__ import annotations
 
@@ -12,14 +12,19 @@ FAMILIES = {
     "qwen2": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
     # Qwen3: per-head q/k RMSNorms, and a head_dim (32) that is not hidden / heads (16)
     "qwen3": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, head_dim=32),
+    # Llama 3.x: llama3 rope scaling, with an original context short enough (32) that pairs of the tiny
+    # head (16) fall in all three bands: unchanged, blended and divided by the factor
+    "llama3": dict(rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)),
 }
+CLASSES = {"llama": "Llama", "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
 def save_tiny(family: str, out, seed: int = 0, vocab_size: int = 128, tokenizer=None):
     """Save a tiny random model of `family` to `out` (with `tokenizer` as its tokenizer.json when given)."""
     import transformers
 
-    cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    cls = CLASSES[family]
     config = getattr(transformers, f"{cls}Config")(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, **FAMILIES[family])

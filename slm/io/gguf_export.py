@@ -120,7 +120,22 @@ def gguf_tensors(params: Mapping[str, Any], shape: ModelShape, arch: str) -> dic
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             x = permute_rope_rows(x, shape.n_heads if "q_proj" in hf_name else shape.kv_heads)
         out[name] = x
+    if shape.rope_scaling and shape.rope_scaling[0] == "llama3":
+        if arch != "llama":
+            raise ExportError(f"llama3 rope scaling has no GGUF form in architecture {arch}")
+        out["rope_freqs.weight"] = llama3_freq_factors(shape.head_dim, shape.rope_theta, shape.rope_scaling)
     return out
+
+
+def llama3_freq_factors(head_dim: int, theta: float, scaling: tuple) -> np.ndarray:
+    """llama.cpp's `rope_freqs` tensor for llama3 rope scaling: the divisor of each pair's frequency (1 for
+    short wavelengths, `factor` for long ones, blended between), as its converter computes it."""
+    _, factor, low, high, original = scaling
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv
+    smooth = (original / wavelen - low) / (high - low)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blended)).astype(np.float32)
 
 
 def _encode(x: np.ndarray, gguf_type: str) -> tuple[np.ndarray, Any]:
@@ -154,6 +169,11 @@ def _write_metadata(w: Any, shape: ModelShape, arch: str, max_positions: int, gg
     w.add_rope_freq_base(float(shape.rope_theta))
     w.add_layer_norm_rms_eps(float(shape.norm_eps))
     w.add_rope_dimension_count(shape.head_dim)
+    if shape.rope_scaling and shape.rope_scaling[0] == "linear":
+        from gguf import RopeScalingType
+
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(shape.rope_scaling[1]))
     if shape.head_dim * shape.n_heads != shape.d_model:  # llama.cpp's default is d_model / heads
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)

@@ -66,6 +66,7 @@ import numpy as np
 from slm.data.tokenizer import SpecialIds, special_ids
 from slm.errors import ExportError
 from slm.io.atomic import write_json
+from slm.model.hf_config import SCALING_KEYS
 from slm.model.sizing import ModelShape
 
 WEIGHTS = "model.safetensors"
@@ -141,7 +142,8 @@ def hf_config(shape: ModelShape, max_positions: int, special: SpecialIds) -> dic
         "hidden_act": "silu",
         "max_position_embeddings": int(max_positions),
         "rms_norm_eps": shape.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "rope_parameters": {"rope_theta": shape.rope_theta, **rope_scaling_config(shape)},
+        "rope_scaling": rope_scaling_config(shape) if shape.rope_scaling else None,
         "rope_theta": shape.rope_theta,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -156,6 +158,17 @@ def hf_config(shape: ModelShape, max_positions: int, special: SpecialIds) -> dic
         "dtype": "float32",
         "torch_dtype": "float32",
     }
+
+
+def rope_scaling_config(shape: ModelShape) -> dict:
+    """The rope type and its parameters as config.json spells them (slm.model.hf_config reads them back)."""
+    if not shape.rope_scaling:
+        return {"rope_type": "default"}
+    kind, *values = shape.rope_scaling
+    out = {"rope_type": kind, **dict(zip(SCALING_KEYS[kind], values))}
+    if "original_max_position_embeddings" in out:
+        out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
+    return out
 
 
 def generation_config(special: SpecialIds) -> dict:

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from slm.model.rope import rotary_at
 from slm.model.sizing import ModelShape
 from slm.model.transformer import (
     Dtype,
@@ -24,7 +25,6 @@ from slm.model.transformer import (
     head_weights,
     project_qkv,
     normed_qk,
-    rotary_at,
 )
 
 KVCache = list  # one {"k": BxSxGxK, "v": BxSxGxK} per layer: S cache positions, G key/value heads
@@ -49,13 +49,14 @@ class CachedAttention(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array) -> tuple[jax.Array, dict]:
         B, T, D = x_BxTxD.shape
-        H, K, theta = self.shape.n_heads, self.shape.head_dim, self.shape.rope_theta
+        H, K = self.shape.n_heads, self.shape.head_dim
+        rope = (self.shape.rope_theta, self.shape.rope_scaling)
         S = cache["k"].shape[1]
         assert T <= S, f"{T} new tokens do not fit a cache of {S} positions"
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
         q, k, v = project_qkv(self.shape, self.dtype, x_BxTxD)
         q, k = normed_qk(self.shape, q, k)
-        q, k = rotary_at(q, start, S, theta), rotary_at(k, start, S, theta)
+        q, k = rotary_at(q, start, S, *rope), rotary_at(k, start, S, *rope)
         k_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)
         v_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
         causal_TxS = (start + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :]

@@ -13,6 +13,10 @@ from slm.model.sizing import ModelShape
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3"}
 
+# The rope scalings slm.model.rope computes, with their parameters in the order of its scaling tuple.
+SCALING_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "linear": ("factor",)}
+
 
 def shape_from_hf_config(cfg: dict, where: str = "config.json") -> ModelShape:
     """The ModelShape of a transformers config.json; one-line RunErrors for what this model cannot do."""
@@ -29,6 +33,7 @@ def shape_from_hf_config(cfg: dict, where: str = "config.json") -> ModelShape:
         qkv_bias=FAMILIES[arch] == "qwen2" or bool(cfg.get("attention_bias")),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_theta=rope_theta(cfg),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), qk_norm=FAMILIES[arch] == "qwen3",
+        rope_scaling=rope_scaling(cfg, where),
     )
 
 
@@ -46,16 +51,30 @@ def rope_theta(cfg: dict) -> float:
     return float(cfg.get("rope_theta") or rope_settings(cfg).get("rope_theta") or 10000.0)
 
 
-def refuse_unsupported(cfg: dict, where: str) -> None:
-    """Every config key that would change the computation is honoured or refused here, in one line: rope
-    scaling of any type (in either layout), partial rotary, another activation, attention dropout, layers
-    that are not full attention, an MLP bias."""
+def rope_scaling(cfg: dict, where: str = "config.json") -> tuple | None:
+    """slm.model.rope's scaling tuple for the config's rope type (either layout), None for plain RoPE; a
+    type the model cannot compute, or one missing a parameter, is refused in one line naming the key."""
     rope = rope_settings(cfg)
     kind = rope.get("rope_type") or rope.get("type")
-    if kind not in (None, "default"):
-        layout = "rope_parameters" if (cfg.get("rope_parameters") or {}).get("rope_type") == kind else "rope_scaling"
-        raise RunError(f"{where}: rope scaling {kind!r} (in {layout}) is not supported yet; use a model without "
-                       f"rope scaling")
+    if kind in (None, "default"):
+        return None
+    layout = "rope_parameters" if (cfg.get("rope_parameters") or {}).get("rope_type") == kind else "rope_scaling"
+    keys = SCALING_KEYS.get(kind)
+    if keys is None:
+        raise RunError(f"{where}: rope scaling {kind!r} (in {layout}) is not supported yet; supported: "
+                       f"{', '.join(SCALING_KEYS)} or none")
+    missing = [k for k in keys if rope.get(k) is None]
+    if missing:
+        raise RunError(f"{where}: rope scaling {kind!r} (in {layout}) lacks {', '.join(missing)}")
+    return (kind, *(float(rope[k]) for k in keys))
+
+
+def refuse_unsupported(cfg: dict, where: str) -> None:
+    """Every config key that would change the computation is honoured or refused here, in one line: rope
+    scaling other than llama3/linear (in either layout), partial rotary, another activation, attention
+    dropout, layers that are not full attention, an MLP bias."""
+    rope = rope_settings(cfg)
+    rope_scaling(cfg, where)
     if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
         raise RunError(f"{where}: partial_rotary_factor is not supported (this model rotates the whole head)")
     act = cfg.get("hidden_act", "silu")

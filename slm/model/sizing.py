@@ -51,6 +51,11 @@ class ModelShape:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotation (Qwen3)
+    rope_scaling: tuple | None = None  # slm.model.rope's scaling tuple (Llama 3.x's llama3), None: plain RoPE
+
+    def __post_init__(self) -> None:  # config.json gives the scaling back as a list
+        if isinstance(self.rope_scaling, list):
+            object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))
 
     @property
     def head_dim(self) -> int:

@@ -19,12 +19,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from slm.model.lora import LoraSpec, adapted
 from slm.model.loss import chunked_token_nll
 from slm.model.matmul import bf16_dot_general, bf16_linear_rows
+from slm.model.rope import rotary, rotary_positions
 from slm.model.sizing import ModelShape
 
 Dtype = Any
@@ -39,62 +39,6 @@ class RMSNorm(nn.Module):
         x = x_BxLxD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
         return (x * scale_D).astype(x_BxLxD.dtype)
-
-
-def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[np.ndarray, np.ndarray]:
-    """(cos, signed sin) tables of shape (L, K) for `rotary`, as numpy constants (folded at compile time).
-
-    cos = [cos, cos] and sin = [-sin, sin] over the two halves of each head, with angle
-    position * base^(-2i/K) for pair i, computed in float32 like the reference formula.
-    """
-    inv_freq = np.float32(1.0) / (np.float32(base) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
-    angles_LxK2 = np.arange(seq_len, dtype=np.float32)[:, None] * inv_freq[None, :]
-    cos, sin = np.cos(angles_LxK2), np.sin(angles_LxK2)
-    return np.concatenate([cos, cos], axis=-1), np.concatenate([-sin, sin], axis=-1)
-
-
-def rotary(x_BxLxHxK: jax.Array, base: float = 10000.0) -> jax.Array:
-    """Rotate pairs (first half, second half) of each head by position-dependent angles (RoPE).
-
-    out = [x1*cos - x2*sin, x2*cos + x1*sin], written as x*[cos, cos] + swap(x)*[-sin, sin] where swap
-    exchanges the two halves with a reshape + reverse. On CPU this is one elementwise fusion forward and
-    backward, where slicing the halves and concatenating them cost several pad/concatenate copies
-    (about 4 ms of a ~65 ms train step at the 4x128 "baby" shape).
-    """
-    B, L, H, K = x_BxLxHxK.shape
-    cos_LxK, sin_LxK = rope_tables(L, K, base)
-    return _rotate(x_BxLxHxK, cos_LxK, sin_LxK)
-
-
-def rotary_at(x_BxTxHxK: jax.Array, start: jax.Array, table_len: int, base: float = 10000.0) -> jax.Array:
-    """`rotary` for T tokens at absolute positions start..start+T-1 (start may be traced).
-
-    Slices rows of the same numpy tables `rotary` uses, built for `table_len` >= start + T positions, so
-    position p gets exactly the rotation `rotary` gives position p of a full sequence.
-    """
-    B, T, H, K = x_BxTxHxK.shape
-    cos_SxK, sin_SxK = rope_tables(table_len, K, base)
-    cos_TxK = jax.lax.dynamic_slice_in_dim(jnp.asarray(cos_SxK), start, T, axis=0)
-    sin_TxK = jax.lax.dynamic_slice_in_dim(jnp.asarray(sin_SxK), start, T, axis=0)
-    return _rotate(x_BxTxHxK, cos_TxK, sin_TxK)
-
-
-def rotary_positions(x_BxLxHxK: jax.Array, pos_BxL: jax.Array, base: float = 10000.0) -> jax.Array:
-    """`rotary` at per-token positions (document masking restarts them at each document)."""
-    B, L, H, K = x_BxLxHxK.shape
-    cos_LxK, sin_LxK = rope_tables(L, K, base)
-    return _rotate(x_BxLxHxK, jnp.asarray(cos_LxK)[pos_BxL][:, :, None, :], jnp.asarray(sin_LxK)[pos_BxL][:, :, None, :])
-
-
-def _rotate(x_BxLxHxK: jax.Array, cos: Any, sin: Any) -> jax.Array:
-    """x * cos + swap(x) * sin; cos/sin are (L, K) tables, or already (B, L, 1, K) per token."""
-    B, L, H, K = x_BxLxHxK.shape
-    x = x_BxLxHxK.astype(jnp.float32)
-    swapped = x.reshape(B, L, H, 2, K // 2)[..., ::-1, :].reshape(B, L, H, K)
-    if cos.ndim == 2:
-        cos, sin = cos[:, None, :], sin[:, None, :]
-    out = x * cos + swapped * sin
-    return out.astype(x_BxLxHxK.dtype)
 
 
 def document_layout(ids_BxL: jax.Array, start_id: int) -> tuple[jax.Array, jax.Array]:
@@ -177,15 +121,16 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
-        H, K, theta = self.shape.n_heads, self.shape.head_dim, self.shape.rope_theta
+        H, K = self.shape.n_heads, self.shape.head_dim
+        rope = (self.shape.rope_theta, self.shape.rope_scaling)
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
         q, k, v = project_qkv(self.shape, self.dtype, x_BxLxD, self, self.lora, self.matmul)
         q, k = normed_qk(self.shape, q, k)
         if layout is None:  # one causal sequence
-            q, k, mask = rotary(q, theta), rotary(k, theta), jnp.tril(jnp.ones((L, L), dtype=bool))
+            q, k, mask = rotary(q, *rope), rotary(k, *rope), jnp.tril(jnp.ones((L, L), dtype=bool))
         else:  # packed documents kept apart (document_layout)
             pos_BxL, mask = layout
-            q, k = rotary_positions(q, pos_BxL, theta), rotary_positions(k, pos_BxL, theta)
+            q, k = rotary_positions(q, pos_BxL, *rope), rotary_positions(k, pos_BxL, *rope)
         if layout is None and fused_attention_fits(self.dtype):
             out_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         else:

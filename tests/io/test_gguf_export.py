@@ -178,3 +178,27 @@ def test_trained_run_as_gguf(small_run, tmp_path):
     for text, prompt in zip(TEXTS, prompts):
         assert theirs(text)["input_ids"] == prompt, text
         assert theirs.decode(prompt, skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("scaling", [("llama3", 8.0, 1.0, 4.0, 32.0), ("linear", 4.0)])
+def test_rope_scaling_written_as_llama_cpp_reads_it(scaling, tmp_path):
+    """llama3: llama.cpp's `rope_freqs` tensor, each pair's frequency divisor; dividing the plain frequencies
+    by it gives the model's own scaled frequencies (two formulas, one from each project, agreeing). linear:
+    the rope.scaling.type/factor keys. transformers' GGUF reader ignores both, so this checks the fields."""
+    from gguf import GGUFReader
+
+    from slm.model.rope import inv_frequencies
+
+    shape = ModelShape(vocab_size=320, n_layers=1, d_model=64, n_heads=4, d_ff=96, rope_scaling=scaling)
+    tok = train_bpe(DOCS, 300)
+    gguf_export.write_gguf(str(tmp_path / "m.gguf"), _params(shape), shape, 64, tok, special_ids(tok), "f32")
+    reader = GGUFReader(str(tmp_path / "m.gguf"))
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    if scaling[0] == "llama3":
+        divisors = tensors["rope_freqs.weight"]
+        assert divisors.min() == 1.0 and divisors.max() == 8.0 and ((divisors > 1) & (divisors < 8)).any()
+        np.testing.assert_allclose(inv_frequencies(16, 1e4) / divisors, inv_frequencies(16, 1e4, scaling), rtol=1e-6)
+    else:
+        assert "rope_freqs.weight" not in tensors
+        assert bytes(reader.fields["llama.rope.scaling.type"].parts[-1]).decode() == "linear"
+        assert reader.fields["llama.rope.scaling.factor"].contents() == 4.0

@@ -6,6 +6,7 @@ token; exported back, transformers reads the same logits again."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -77,30 +78,60 @@ def test_pickled_weights_and_unknown_architectures_are_refused(tmp_path):
         load_hf_folder(str(folder))
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
                                                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
-    with pytest.raises(RunError, match=r"rope scaling 'llama3' \(in rope_scaling\) is not supported yet"):
+    with pytest.raises(RunError, match=r"rope scaling 'llama3' \(in rope_scaling\) lacks low_freq_factor"):
         load_hf_folder(str(folder))
 
 
-def test_rope_scaling_saved_by_transformers_5_is_refused_not_ignored(tmp_path):
-    """Issue 33's silent wrong answer: transformers 5 writes a llama3 rope scaling inside `rope_parameters`;
-    it was loaded without a word (logits off by up to 14). Both layouts are refused in one line now."""
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+    {"rope_type": "linear", "factor": 4.0},
+])
+def test_rope_scaling_is_honoured_in_both_config_layouts(scaling, tmp_path):
+    """Issue 33's silent wrong answer: transformers 5 writes the scaling inside `rope_parameters`, and it was
+    loaded without a word (logits off by up to 14). Now it is computed, from that layout and from the hub's
+    older one (`rope_scaling` + `rope_theta`), and the export writes both layouts back."""
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
-    transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path / "new"), safe_serialization=True)
+                                      rope_scaling=dict(scaling))  # transformers adds to it
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper attention, so positions matter to the logits
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    hf.save_pretrained(str(tmp_path / "new"), safe_serialization=True)
     saved = json.loads((tmp_path / "new" / "config.json").read_text())
-    assert saved.get("rope_parameters", {}).get("rope_type") == "llama3" and not saved.get("rope_scaling")
-    with pytest.raises(RunError, match=r"rope scaling 'llama3' \(in rope_parameters\) is not supported yet"):
-        load_hf_folder(str(tmp_path / "new"))
+    assert saved.get("rope_parameters", {}).get("rope_type") == scaling["rope_type"] and not saved.get("rope_scaling")
+    ids = np.random.default_rng(0).integers(0, 128, (2, 40))  # past the original context of 32
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(ids)).logits.numpy()
     old = {k: v for k, v in saved.items() if k != "rope_parameters"}  # the hub's older layout of the same model
     old.update(rope_theta=saved["rope_parameters"]["rope_theta"],
                rope_scaling={k: v for k, v in saved["rope_parameters"].items() if k != "rope_theta"})
-    (tmp_path / "new" / "config.json").write_text(json.dumps(old))
-    with pytest.raises(RunError, match=r"rope scaling 'llama3' \(in rope_scaling\) is not supported yet"):
-        load_hf_folder(str(tmp_path / "new"))
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps(old))
+    (tmp_path / "old" / "model.safetensors").symlink_to(tmp_path / "new" / "model.safetensors")
+    for layout in ("new", "old"):
+        shape, params, _ = load_hf_folder(str(tmp_path / layout))
+        assert shape.rope_scaling[0] == scaling["rope_type"]
+        ours = np.asarray(Transformer(shape).apply({"params": params}, jnp.asarray(ids, jnp.int32)))
+        assert np.abs(ours - theirs).max() < TOL, (layout, np.abs(ours - theirs).max())
+    unscaled = np.asarray(Transformer(dataclasses.replace(shape, rope_scaling=None)).apply({"params": params}, jnp.asarray(ids, jnp.int32)))
+    print(f"{scaling['rope_type']}: without the scaling, max |diff| {np.abs(unscaled - theirs).max():.3f}")
+    assert np.abs(unscaled - theirs).max() > 100 * TOL  # the scaling matters here
+    write_export(str(tmp_path / "out"), params, shape, max_positions=128)
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["rope_scaling"] == scaling  # the hub's layout, for transformers 4.x
+    assert exported["rope_parameters"] == {**scaling, "rope_theta": config.rope_parameters["rope_theta"]}
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        back = again(input_ids=torch.tensor(ids)).logits.numpy()
+    assert np.abs(back - theirs).max() < TOL
 
 
 @pytest.mark.parametrize("key, value, says", [
