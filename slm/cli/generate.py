@@ -1,9 +1,13 @@
-"""`python generate.py --run RUN_DIR --prompt TEXT` (or `slm-generate`): sample from a trained run.
+"""`python generate.py --run RUN_DIR --prompt TEXT` (or `slm-generate`): sample from a trained run, or
+`--chat` with it in its chat template.
 
 Loads the run's newest (or `--step`) checkpoint and tokenizer, and streams the continuation to stdout as it
 is produced (slm.model.generate.Decoder: a KV cache, two compiled programs), then one line on stderr with
 prefill time and decode tokens/s. The prompt follows the token documents start after in training (the
 end-of-text token, or the tokenizer's bos), and generation stops at the next end-of-text unless --ignore-eot.
+With --chat the conversation is rendered exactly as transformers' apply_chat_template(add_generation_prompt=True)
+renders it (slm.data.chat), each reply stops at the template's end-of-turn token, and without --prompt the
+terminal holds a conversation that keeps its turns.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from slm.cli.common import Parser, run_main
+from slm.data.chat import run_chat_template
 from slm.data.tokenizer import TextStream, sample_start
 from slm.errors import GenerateError
 from slm.model.generate import Decoder
@@ -41,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=1, metavar="N", help="independent samples, one after another")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     p.add_argument("--ignore-eot", action="store_true",
-                   help="keep going past an end-of-text token instead of stopping there")
+                   help="keep going past an end-of-text (or, with --chat, end-of-turn) token instead of stopping there")
+    p.add_argument("--chat", action="store_true",
+                   help="chat in the run's chat template (a chat model's, kept from --init-from/--tokenizer): "
+                        "--prompt is the user's message; without --prompt, an interactive conversation on stdin")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before the first turn")
     return p
 
 
@@ -58,56 +67,109 @@ def validate(args: argparse.Namespace) -> None:
         raise GenerateError(f"--num-samples {args.num_samples}: must be at least 1")
     if args.step is not None and args.step < 0:
         raise GenerateError(f"--step {args.step}: must be >= 0")
+    if args.system is not None and not args.chat:
+        raise GenerateError("--system: only with --chat (it is the conversation's system message)")
+    if args.chat and args.num_samples > 1:
+        raise GenerateError("--num-samples with --chat: a conversation takes one reply a turn; leave --num-samples at 1")
     if not os.path.isdir(args.run):
         raise GenerateError(f"--run {args.run}: no such directory")
 
 
-def run(args: argparse.Namespace, out: Any = None, err: Any = None) -> None:
-    """Load, sample and stream to `out` (stdout), warnings and the speed line to `err` (stderr)."""
-    out, err = out or sys.stdout, err or sys.stderr
+def run(args: argparse.Namespace, out: Any = None, err: Any = None, stdin: Any = None) -> None:
+    """Load, sample (or chat) and stream to `out` (stdout), warnings and the speed line to `err` (stderr);
+    an interactive --chat reads the user's turns from `stdin`."""
+    out, err, stdin = out or sys.stdout, err or sys.stderr, stdin or sys.stdin
     validate(args)
     loaded = load_run(args.run, args.step)  # its RunErrors are one-line messages too
-    tokenizer, config = loaded.tokenizer, loaded.config
     model = Transformer(loaded.shape, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
-    eot = loaded.special.eos  # None: a tokenizer with no end-of-text token, generation runs to the end
-    prompt_ids = loaded.special.start + tokenizer.encode(args.prompt, add_special_tokens=False).ids
-    prompt_ids = prompt_ids or sample_start(tokenizer, loaded.special)
-    total = len(prompt_ids) + args.max_new_tokens
-    seq_len = config.get("seq_len")
-    if seq_len and total > seq_len:
-        print(f"warning: {len(prompt_ids)} prompt tokens (with the start token) + --max-new-tokens "
-              f"{args.max_new_tokens} = {total} positions, beyond the run's trained --seq-len {seq_len}; "
-              f"text past position {seq_len} may degrade", file=err)
+    decoder, timings = Decoder(model), {}
+    if args.chat:
+        _chat(args, loaded, decoder, timings, out, err, stdin)
+    else:
+        _sample(args, loaded, decoder, timings, out, err)
+    n, decode_s, n_decode = max(timings.get("replies", 1), 1), timings["decode_s"], timings["decode_tokens"]
+    per = f" (mean of {n} {'turns' if args.chat else 'samples'})" if n > 1 else ""
+    rate = f"{n_decode / decode_s:,.1f} tokens/s" if decode_s > 0 else "n/a tokens/s"
+    print(f"[generate] step {loaded.step} | prefill {timings['prompt_tokens'] // n} prompt tokens: "
+          f"{timings['prefill_s'] / n * 1e3:.1f} ms to first token{per} | decode {n_decode} tokens in "
+          f"{decode_s:.2f} s: {rate} | compile {decoder.compile_s:.1f} s | {jax.devices()[0].platform}", file=err)
 
-    decoder = Decoder(model)
+
+def _sample(args: argparse.Namespace, loaded: Any, decoder: Decoder, timings: dict, out: Any, err: Any) -> None:
+    """Continue --prompt (or start a new document) --num-samples times."""
+    tokenizer, special = loaded.tokenizer, loaded.special
+    prompt_ids = special.start + tokenizer.encode(args.prompt, add_special_tokens=False).ids
+    prompt_ids = prompt_ids or sample_start(tokenizer, special)
+    _warn_past_seq_len(loaded.config, len(prompt_ids), args.max_new_tokens, err)
     decoder.compiled(loaded.params, 1, len(prompt_ids), args.max_new_tokens, args.top_k)  # before timing
-    timings: dict = {}
-    base_key = jax.random.PRNGKey(args.seed)
+    stop = set() if args.ignore_eot or special.eos is None else {special.eos}
     for i in range(args.num_samples):
         if args.num_samples > 1:
             out.write(f"{'' if i == 0 else chr(10)}--- sample {i + 1}/{args.num_samples} ---\n")
         out.write(args.prompt)
-        out.flush()
-        text = TextStream(tokenizer, prompt_ids)
-        for token_B in decoder.stream(loaded.params, prompt_ids, args.max_new_tokens,
-                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                      key=jax.random.fold_in(base_key, i), timings=timings):
-            if int(token_B[0]) == eot and not args.ignore_eot:
-                break
-            delta = text.push(int(token_B[0]))
-            if delta:
-                out.write(delta)
-                out.flush()
-        out.write(text.flush() + "\n")
-        out.flush()
+        _reply(args, loaded, decoder, prompt_ids, stop, i, timings, out)
+    timings["replies"] = args.num_samples
 
-    n = args.num_samples
-    per_sample = f" (mean of {n} samples)" if n > 1 else ""
-    decode_s, n_decode = timings["decode_s"], timings["decode_tokens"]
-    rate = f"{n_decode / decode_s:,.1f} tokens/s" if decode_s > 0 else "n/a tokens/s"
-    print(f"[generate] step {loaded.step} | prefill {len(prompt_ids)} prompt tokens: "
-          f"{timings['prefill_s'] / n * 1e3:.1f} ms to first token{per_sample} | decode {n_decode} tokens in "
-          f"{decode_s:.2f} s: {rate} | compile {decoder.compile_s:.1f} s | {jax.devices()[0].platform}", file=err)
+
+def _chat(args: argparse.Namespace, loaded: Any, decoder: Decoder, timings: dict, out: Any, err: Any,
+          stdin: Any) -> None:
+    """Each user turn rendered with the run's chat template, as transformers' apply_chat_template(
+    add_generation_prompt=True) renders it; the reply stops at the template's end-of-turn token (or eos)
+    and joins the conversation. --prompt is one turn; without it, turns are read from stdin."""
+    template = run_chat_template(args.run, loaded.tokenizer, loaded.special)
+    ends = (template.end_of_turn(loaded.tokenizer), loaded.special.eos)
+    stop = set() if args.ignore_eot else {i for i in ends if i is not None}
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    turns = [args.prompt] if args.prompt else _user_turns(stdin, err)
+    for i, user in enumerate(turns):
+        messages.append({"role": "user", "content": user})
+        ids = template.encode(loaded.tokenizer, messages)
+        _warn_past_seq_len(loaded.config, len(ids), args.max_new_tokens, err)
+        reply = _reply(args, loaded, decoder, ids, stop, i, timings, out)
+        messages.append({"role": "assistant", "content": reply})
+        timings["replies"] = i + 1
+
+
+def _user_turns(stdin: Any, err: Any) -> Any:
+    """Lines typed at a `> ` prompt (on stderr, so stdout holds only replies), until an empty input ends
+    (Ctrl-D) or `/exit`; blank lines are skipped."""
+    print("[generate] chat: type a message and press Enter; Ctrl-D or /exit ends", file=err)
+    while True:
+        err.write("> ")
+        err.flush()
+        line = stdin.readline()
+        if not line or line.strip() == "/exit":
+            err.write("\n" if not line else "")
+            return
+        if line.strip():
+            yield line.rstrip("\n")
+
+
+def _reply(args: argparse.Namespace, loaded: Any, decoder: Decoder, prompt_ids: list[int], stop: set[int],
+           index: int, timings: dict, out: Any) -> str:
+    """Stream one continuation of `prompt_ids` to `out` until a `stop` token or --max-new-tokens; returns its text."""
+    text, said = TextStream(loaded.tokenizer, prompt_ids), []
+    key = jax.random.fold_in(jax.random.PRNGKey(args.seed), index)
+    out.flush()
+    for token_B in decoder.stream(loaded.params, prompt_ids, args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, key=key, timings=timings):
+        if int(token_B[0]) in stop:
+            break
+        said.append(text.push(int(token_B[0])))
+        out.write(said[-1])
+        out.flush()
+    said.append(text.flush())
+    out.write(said[-1] + "\n")
+    out.flush()
+    return "".join(said)
+
+
+def _warn_past_seq_len(config: dict, prompt_tokens: int, max_new_tokens: int, err: Any) -> None:
+    seq_len, total = config.get("seq_len"), prompt_tokens + max_new_tokens
+    if seq_len and total > seq_len:
+        print(f"warning: {prompt_tokens} prompt tokens (with the start token) + --max-new-tokens "
+              f"{max_new_tokens} = {total} positions, beyond the run's trained --seq-len {seq_len}; "
+              f"text past position {seq_len} may degrade", file=err)
 
 
 def main(argv: list[str] | None = None) -> int:

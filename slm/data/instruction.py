@@ -76,6 +76,14 @@ def load_chat_template(tokenizer_path: str | None) -> str:
     return template
 
 
+def optional_chat_template(tokenizer_path: str) -> str | None:
+    """`load_chat_template`, or None when the tokenizer has none (a base model's tokenizer)."""
+    try:
+        return load_chat_template(tokenizer_path)
+    except TokenizerError:
+        return None
+
+
 @functools.lru_cache(maxsize=8)
 def compile_template(template: str) -> Any:
     """The template compiled as transformers compiles it (sandbox, trim_blocks, lstrip_blocks, loop controls,

@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from slm.data.instruction import optional_chat_template
 from slm.data.tokenizer import SpecialIds, special_ids
 from slm.errors import ExportError
 from slm.io.atomic import write_json
@@ -178,9 +179,9 @@ def generation_config(special: SpecialIds) -> dict:
             "pad_token_id": special.eos if special.eos is not None else bos}
 
 
-def tokenizer_config(tokenizer: Any, special: SpecialIds, max_positions: int) -> dict:
+def tokenizer_config(tokenizer: Any, special: SpecialIds, max_positions: int, chat_template: str | None = None) -> dict:
     name = lambda i: None if i is None else tokenizer.id_to_token(i)
-    return {
+    return {**({"chat_template": chat_template} if chat_template else {}),
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": name(special.start[0] if special.start else None),
         "eos_token": name(special.eos),
@@ -206,7 +207,8 @@ def write_export(out_dir: str, params: Mapping[str, Any], shape: ModelShape, max
 
     `tokenizer` (a tokenizers.Tokenizer) is optional so a bare model can be exported in tests; without
     it no tokenizer files are written. `special` (default: found in the tokenizer) names bos and eos. `tokenizer_file`, the tokenizer.json it
-    was loaded from, is copied byte for byte when given (else the tokenizer is serialized).
+    was loaded from, is copied byte for byte when given (else the tokenizer is serialized), and the chat template
+    of the tokenizer_config.json beside it goes into the export's.
     """
     if tokenizer is not None:
         special = special or special_ids(tokenizer)
@@ -225,7 +227,8 @@ def write_export(out_dir: str, params: Mapping[str, Any], shape: ModelShape, max
             shutil.copyfile(tokenizer_file, os.path.join(out_dir, "tokenizer.json"))
         else:
             tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+        template = optional_chat_template(tokenizer_file) if tokenizer_file else None  # the run's, if it has one
         write_json(os.path.join(out_dir, "tokenizer_config.json"),
-                    tokenizer_config(tokenizer, special, max_positions))
+                   tokenizer_config(tokenizer, special, max_positions, template))
         written += ["tokenizer.json", "tokenizer_config.json"]
     return written

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from slm.data.heldout import EvalSet, build_eval_set, held_out_split
-from slm.data.instruction import load_chat_template
+from slm.data.instruction import load_chat_template, optional_chat_template
 from slm.data.mixture import Mixture, normalized
 from slm.data.packing import prepare_sequences
 from slm.data.sources import HubDataset, LocalFiles, TextSource, resolve_source
@@ -171,7 +171,8 @@ def hold_out_head(c: Config, source: TextSource, tokens: int | None = None) -> l
 def make_tokenizer(c: Config, source: TextSource, skip_documents: int, out: str, procs: Processes,
                    log: Log, chat_template: str | None = None) -> tuple[Any, SpecialIds, float]:
     """--tokenizer, or a BPE trained on the training stream (on process 0, sent to the others: no shared
-    filesystem needed); saved as the run's tokenizer.json with a tokenizer_config.json naming its separator.
+    filesystem needed); saved as the run's tokenizer.json with a tokenizer_config.json naming its separator
+    (and keeping the tokenizer's chat template, for generate.py --chat and the exports).
     Returns (tokenizer, its special ids, seconds)."""
     from tokenizers import Tokenizer
 
@@ -222,7 +223,8 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
     heldout = held_out_docs(c, source) if eval_source is None else []
     init_shape, init_folder = pretrained(c, log) if c.init_from else (None, None)
     chat_template = load_chat_template(c.tokenizer) if c.chat_template else None  # after --init-from set c.tokenizer
-    tokenizer, special, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log, chat_template)
+    kept = chat_template or (optional_chat_template(c.tokenizer) if c.tokenizer else None)  # for generate --chat
+    tokenizer, special, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log, kept)
     shape = init_shape or choose_shape(c.target_params, tokenizer.get_vocab_size(), c.n_layers, c.d_model, c.n_heads)
     c.learning_rate = c.learning_rate or default_learning_rate(count_params(shape))
     c.optimizer = c.optimizer or ("adamw" if c.lora_rank else "muon")  # Muon is for full matrices
