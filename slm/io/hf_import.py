@@ -84,10 +84,11 @@ def _layer_names(shape: ModelShape) -> set[str]:
 
 
 def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray], Any] = np.asarray,
-                   dtype: Any = np.float32) -> dict:
+                   dtype: Any = np.float32, block_transform: Callable[[dict], dict] | None = None) -> dict:
     """The model's params from the folder's safetensors, tensor by tensor: each layer is assembled (q/k/v and
-    gate/up fused, kernels transposed) as soon as its tensors have been read, then handed to `place` (e.g.
-    jax.device_put) and its pieces dropped, so the host holds the placed params plus about one layer."""
+    gate/up fused, kernels transposed) as soon as its tensors have been read, then (after `block_transform`,
+    e.g. NF4 quantisation) handed to `place` (e.g. jax.device_put) and its pieces dropped, so the host holds
+    the placed params plus about one layer."""
     wanted = _layer_names(shape)
     V, D = shape.vocab_size, shape.d_model
     top = {"model.embed_tokens.weight": ("embed", (V, D)), "model.norm.weight": ("final_norm", (D,))}
@@ -107,7 +108,8 @@ def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray],
         layer = pending.setdefault(int(i), {})
         layer[rest] = x
         if wanted <= layer.keys():
-            params[f"block_{i}"] = map_leaves(place, _block(pending.pop(int(i)), shape, folder))
+            block = _block(pending.pop(int(i)), shape, folder)
+            params[f"block_{i}"] = map_leaves(place, block_transform(block) if block_transform else block)
     for i in range(shape.n_layers):
         if f"block_{i}" not in params:
             missing = min(wanted - pending.get(i, {}).keys())
@@ -155,7 +157,8 @@ def _need(tensors: dict, name: str, shape: tuple, folder: str) -> np.ndarray:
 
 
 def load_hf_folder(folder: str, weights: bool = True, place: Callable[[np.ndarray], Any] = np.asarray,
-                   dtype: Any = np.float32) -> tuple[ModelShape, dict | None, dict]:
+                   dtype: Any = np.float32,
+                   block_transform: Callable[[dict], dict] | None = None) -> tuple[ModelShape, dict | None, dict]:
     """(shape, params in `dtype` or None without `weights`, config.json) of a local Hugging Face model folder;
     each array goes through `place` as soon as it is assembled (see load_hf_params)."""
     path = os.path.join(folder, "config.json")
@@ -164,7 +167,7 @@ def load_hf_folder(folder: str, weights: bool = True, place: Callable[[np.ndarra
     with open(path) as f:
         cfg = json.load(f)
     shape = shape_from_hf_config(cfg, path)
-    return shape, load_hf_params(folder, shape, place, dtype) if weights else None, cfg
+    return shape, load_hf_params(folder, shape, place, dtype, block_transform) if weights else None, cfg
 
 
 def resolve_pretrained(spec: str, revision: str | None, log) -> tuple[str, str | None]:

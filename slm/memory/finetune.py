@@ -6,7 +6,9 @@ what a from-scratch run of that shape holds. The LoRA layout is the trainer's (s
 slm/train/step.py), per device, in bytes (n = adapter parameters, N = the base's; tokens = micro-batch
 per device x S):
 
-    base_params   N * bytes(base_dtype)  the frozen base (float32, bfloat16 or float16): no gradient, no state
+    base_params   N * bytes(base_dtype)  the frozen base (float32, bfloat16 or float16): no gradient, no state;
+                                         nf4: 4.5 bits a block matmul weight, the embedding/head bfloat16,
+                                         norms and biases float32 (base_param_bytes)
     params        4n                     adapters A (in, r) and B (r, out) per target per layer, float32
     gradients     4n
     optimizer     8n AdamW | ~2.03n 8-bit (sizing.adam_state_bytes of the adapters' shapes)
@@ -29,6 +31,10 @@ Gradient checkpointing on an accelerator is modelled as it is meant to work: eac
 (D x compute bytes per token per layer) plus one block's activations while it is recomputed. XLA:CPU
 keeps recomputed activations live (docs/memory.md), so on CPU the fitted remat coefficients apply.
 On an accelerator GPU_RUNTIME_MB is added to the device total.
+
+An nf4 base is dequantised per matmul and again for its backward (slm.model.nf4.nf4_linear), so no block
+weight is held in a wider dtype: its casts are the head's (held bfloat16, like a bfloat16 base's) plus one
+kernel dequantised at a time (NF4_TRANSIENT bytes a weight of the largest kernel, fitted).
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ from slm.model.sizing import (
     lora_param_shapes,
 )
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "nf4": 2}  # nf4: its non-block matrices (base_param_bytes)
+NF4_BYTES = 0.5 + 4 / 64  # a 4-bit code per weight and a float32 absmax per block of 64 (slm.model.nf4)
 CHUNKED_BYTES_PER_D = 64  # --loss-chunk's loop beyond its chunk of logits, per token (backward_bytes)
 
 # Outside XLA's buffers on a GPU: the CUDA context (driver and lazily loaded kernels, ~300-400 MB since
@@ -71,6 +78,7 @@ LORA_COEFFICIENTS = {
 # XLA:CPU's float32 copies of the base's matmul weights, per 4 bytes of them (fitted: 0.95-0.97); under
 # mixed precision a base that is not bfloat16 also keeps the head's bfloat16 rounding (2 bytes/weight).
 CAST_CPU = 0.96
+NF4_TRANSIENT = 8.0  # one dequantised kernel in flight: its float32 values and int32 level indices
 
 
 @dataclass(frozen=True)
@@ -122,12 +130,33 @@ def matmul_weights(shape: ModelShape) -> tuple[int, int]:
     return D * qkv + q * D + 3 * D * F, shape.vocab_size * D
 
 
+def largest_kernel(shape: ModelShape) -> int:
+    """Weights of a block's largest matmul kernel (the fused gate/up, or the fused q/k/v)."""
+    qkv = (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim
+    return shape.d_model * max(2 * shape.d_ff, qkv)
+
+
+def base_param_bytes(shape: ModelShape, base_dtype: str) -> int:
+    """The frozen base's bytes: every weight in `base_dtype`, or for nf4 the blocks' matmul kernels at
+    NF4_BYTES a weight (the absmax of a last partial block aside), the embedding and head bfloat16 and the
+    norms and biases float32."""
+    if base_dtype != "nf4":
+        return count_params(shape) * DTYPE_BYTES[base_dtype]
+    block, _ = matmul_weights(shape)
+    matrices = shape.vocab_size * shape.d_model * (1 if shape.tie_embeddings else 2)
+    rest = count_params(shape) - shape.n_layers * block - matrices
+    return int(shape.n_layers * block * NF4_BYTES) + 2 * matrices + 4 * rest
+
+
 def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, remat: bool, platform: str,
                     chunked_loss: bool = False) -> int:
     """Bytes of compute-dtype copies of base weights the step holds at its peak (module docstring). A chunked
     loss (--loss-chunk) casts the head a chunk at a time, but on CPU slices a 16-bit head as its bit pattern, a
     copy of the whole head (slm.model.loss._slice_rows)."""
     block, head = matmul_weights(shape)
+    if base_dtype == "nf4":  # the head as a bfloat16 base's, and one block kernel dequantised at a time
+        return base_cast_bytes(shape.__class__(**{**shape.to_dict(), "n_layers": 0}), "bfloat16", mixed_precision,
+                               remat, platform, chunked_loss) + int(NF4_TRANSIENT * largest_kernel(shape))
     if platform == "cpu":
         if not (base_dtype != "float32" or mixed_precision):
             return 0
@@ -176,7 +205,7 @@ def lora_breakdown(shape: ModelShape, ft: Finetune, seq_len: int, micro_batch: i
         LORA_COEFFICIENTS[(False, bool(mixed_precision))] if ideal else None, 2 if mixed_precision else 4, loss_chunk,
         platform)
     return {
-        "base_params": count_params(shape) * DTYPE_BYTES[ft.base_dtype],
+        "base_params": base_param_bytes(shape, ft.base_dtype),
         "params": 4 * n,
         "gradients": 4 * n,
         "optimizer_state": adam_state_bytes(shapes, use_8bit_optimizer, accumulation) - acc,

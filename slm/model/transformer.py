@@ -24,6 +24,7 @@ from jax import lax
 from slm.model.lora import LoraSpec, adapted
 from slm.model.loss import chunked_token_nll
 from slm.model.matmul import bf16_dot_general, bf16_linear_rows
+from slm.model.nf4 import BLOCK, blocks_of, nf4_linear
 from slm.model.rope import rotary, rotary_positions
 from slm.model.sizing import ModelShape
 
@@ -55,8 +56,11 @@ def document_layout(ids_BxL: jax.Array, start_id: int) -> tuple[jax.Array, jax.A
 
 
 def dense(features: int, name: str, dtype: Dtype, std: float, bias: bool = False,
-          matmul: str = "float32") -> nn.Dense:
-    """A Linen Dense with float32 parameters; `matmul` "bfloat16": its products in bf16 (slm.model.matmul)."""
+          matmul: str = "float32", nf4: bool = False) -> nn.Module:
+    """A Linen Dense with float32 parameters; `matmul` "bfloat16": its products in bf16 (slm.model.matmul);
+    `nf4`: the frozen base's kernel held as NF4 codes (NF4Dense)."""
+    if nf4:
+        return NF4Dense(features, dtype, bias, matmul == "bfloat16", name=name)
     return nn.Dense(
         features, use_bias=bias, dtype=dtype, param_dtype=jnp.float32,
         kernel_init=nn.initializers.normal(std), name=name,
@@ -64,14 +68,35 @@ def dense(features: int, name: str, dtype: Dtype, std: float, bias: bool = False
     )
 
 
+class NF4Dense(nn.Module):
+    """Dense for a QLoRA base: the kernel (in, out) is held as "nf4_codes" and "nf4_absmax" (slm.model.nf4,
+    zeros at init: the weights come from --init-from) and dequantised per matmul; the bias, if any, float32."""
+
+    features: int
+    dtype: Dtype
+    use_bias: bool = False
+    bf16: bool = False  # bf16 products with float32 sums (--matmul-precision bfloat16)
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        blocks = blocks_of(x.shape[-1], self.features)
+        codes = self.param("nf4_codes", nn.initializers.zeros, (blocks * BLOCK // 2,), jnp.uint8)
+        absmax = self.param("nf4_absmax", nn.initializers.zeros, (blocks,), jnp.float32)
+        y = nf4_linear(x, codes, absmax, self.features, jnp.dtype(self.dtype), self.bf16)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(y.dtype)
+        return y
+
+
 def project_qkv(shape: ModelShape, dtype: Dtype, x_BxLxD: jax.Array, module: nn.Module | None = None,
-                lora: LoraSpec | None = None, matmul: str = "float32") -> tuple[jax.Array, jax.Array, jax.Array]:
+                lora: LoraSpec | None = None, matmul: str = "float32",
+                nf4: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One fused projection (named "qkv", inside the calling `module`) -> q (B, L, H, K), k and v (B, L, G, K);
     G = H without grouped-query attention, when the kernel is (D, 3D) as it always was. With `lora`, the
     module's q/k/v adapters add to their columns."""
     B, L, _ = x_BxLxD.shape
     H, G, K = shape.n_heads, shape.kv_heads, shape.head_dim
-    qkv = dense((H + 2 * G) * K, "qkv", dtype, 0.02, bias=shape.qkv_bias, matmul=matmul)(x_BxLxD)
+    qkv = dense((H + 2 * G) * K, "qkv", dtype, 0.02, bias=shape.qkv_bias, matmul=matmul, nf4=nf4)(x_BxLxD)
     qkv = adapted(module, lora, qkv, x_BxLxD, "qkv").reshape(B, L, H + 2 * G, K)
     return qkv[:, :, :H], qkv[:, :, H:H + G], qkv[:, :, H + G:]
 
@@ -117,6 +142,7 @@ class Attention(nn.Module):
     dtype: Dtype
     lora: LoraSpec | None = None
     matmul: str = "float32"  # the projections' product precision (slm.model.matmul)
+    nf4: bool = False  # the frozen base's kernels as NF4 codes (NF4Dense)
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
@@ -124,7 +150,7 @@ class Attention(nn.Module):
         H, K = self.shape.n_heads, self.shape.head_dim
         rope = (self.shape.rope_theta, self.shape.rope_scaling)
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
-        q, k, v = project_qkv(self.shape, self.dtype, x_BxLxD, self, self.lora, self.matmul)
+        q, k, v = project_qkv(self.shape, self.dtype, x_BxLxD, self, self.lora, self.matmul, self.nf4)
         q, k = normed_qk(self.shape, q, k)
         if layout is None:  # one causal sequence
             q, k, mask = rotary(q, *rope), rotary(k, *rope), jnp.tril(jnp.ones((L, L), dtype=bool))
@@ -136,7 +162,8 @@ class Attention(nn.Module):
         else:
             out_BxLxHxK = attend(q, k, v, mask, self.dtype)
         out_BxLxHK = out_BxLxHxK.reshape(B, L, H * K)
-        return adapted(self, self.lora, dense(D, "o", self.dtype, out_std, matmul=self.matmul)(out_BxLxHK), out_BxLxHK, "o")
+        o = dense(D, "o", self.dtype, out_std, matmul=self.matmul, nf4=self.nf4)
+        return adapted(self, self.lora, o(out_BxLxHK), out_BxLxHK, "o")
 
 
 class SwiGLU(nn.Module):
@@ -144,15 +171,18 @@ class SwiGLU(nn.Module):
     dtype: Dtype
     lora: LoraSpec | None = None
     matmul: str = "float32"
+    nf4: bool = False
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         F = self.shape.d_ff
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
-        gate_up_BxLx2F = adapted(self, self.lora, dense(2 * F, "gate_up", self.dtype, 0.02, matmul=self.matmul)(x_BxLxD), x_BxLxD, "gate_up")
+        gate_up = dense(2 * F, "gate_up", self.dtype, 0.02, matmul=self.matmul, nf4=self.nf4)
+        gate_up_BxLx2F = adapted(self, self.lora, gate_up(x_BxLxD), x_BxLxD, "gate_up")
         gate, up = jnp.split(gate_up_BxLx2F, 2, axis=-1)
         h_BxLxF = nn.silu(gate) * up
-        return adapted(self, self.lora, dense(self.shape.d_model, "down", self.dtype, out_std, matmul=self.matmul)(h_BxLxF), h_BxLxF, "down")
+        down = dense(self.shape.d_model, "down", self.dtype, out_std, matmul=self.matmul, nf4=self.nf4)
+        return adapted(self, self.lora, down(h_BxLxF), h_BxLxF, "down")
 
 
 def dropout(module: nn.Module, rate: float, x: jax.Array) -> jax.Array:
@@ -203,12 +233,13 @@ class Block(nn.Module):
     lora: LoraSpec | None = None
     matmul: str = "float32"
     dropout: float = 0.0  # on each residual branch's output (GPT-2's resid_pdrop)
+    nf4: bool = False
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         eps = self.shape.norm_eps
-        attn = Attention(self.shape, self.dtype, self.lora, self.matmul, name="attn")
-        mlp = SwiGLU(self.shape, self.dtype, self.lora, self.matmul, name="mlp")
+        attn = Attention(self.shape, self.dtype, self.lora, self.matmul, self.nf4, name="attn")
+        mlp = SwiGLU(self.shape, self.dtype, self.lora, self.matmul, self.nf4, name="mlp")
         x_BxLxD = x_BxLxD + dropout(self, self.dropout, attn(RMSNorm(eps, name="attn_norm")(x_BxLxD), layout))
         x_BxLxD = x_BxLxD + dropout(self, self.dropout, mlp(RMSNorm(eps, name="mlp_norm")(x_BxLxD)))
         return x_BxLxD
@@ -225,6 +256,7 @@ class Transformer(nn.Module):
     matmul: str = "float32"  # "bfloat16": the projections and head in bf16 products, f32 sums (slm.model.matmul)
     loss_chunk: int = 0  # token_nll's vocabulary chunk (slm.model.loss); 0 or >= V: the full logits
     dropout: float = 0.0  # on the embeddings and each residual branch, in training only (token_nll's dropout_rng)
+    nf4: bool = False  # QLoRA: the blocks' matmul kernels held as NF4 codes (slm.model.nf4, NF4Dense)
 
     @nn.compact
     def __call__(self, ids_BxL: jax.Array, features: bool = False) -> Any:
@@ -236,7 +268,7 @@ class Transformer(nn.Module):
         layout = None if self.doc_start is None else document_layout(ids_BxL, self.doc_start)
         block_cls = nn.remat(Block, prevent_cse=True) if self.remat else Block
         for i in range(self.shape.n_layers):
-            x_BxLxD = block_cls(self.shape, self.dtype, self.lora, self.matmul, self.dropout, name=f"block_{i}")(
+            x_BxLxD = block_cls(self.shape, self.dtype, self.lora, self.matmul, self.dropout, self.nf4, name=f"block_{i}")(
                 x_BxLxD, layout)
         x_BxLxD = RMSNorm(self.shape.norm_eps, name="final_norm")(x_BxLxD)
         head_VxD = head_weights(self, embed_VxD)

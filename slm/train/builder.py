@@ -109,7 +109,8 @@ def model_and_optimizer(spec: StepSpec, mesh: Any = None) -> tuple[Transformer, 
     model = Transformer(spec.shape, dtype=jnp.bfloat16 if spec.mixed_precision else jnp.float32, remat=spec.remat,
                         doc_start=spec.doc_start, lora=spec.lora, matmul=spec.matmul,
                         loss_chunk=default_loss_chunk(spec.shape.vocab_size, jax.default_backend(), spec.matmul)
-                        if spec.loss_chunk is None else spec.loss_chunk, dropout=spec.dropout)
+                        if spec.loss_chunk is None else spec.loss_chunk, dropout=spec.dropout,
+                        nf4=spec.lora is not None and spec.base_dtype == "nf4")
     tx = make_optimizer(spec.weight_decay, spec.grad_clip, spec.accumulation, use_8bit=spec.use_8bit,
                         optimizer=spec.optimizer, muon_lr_ratio=spec.muon_lr_ratio, muon_mesh=mesh)
     return model, tx, jax.eval_shape(lambda: fresh_state(trainable_init(model, spec), tx))
@@ -126,9 +127,18 @@ def base_shapes(model: Transformer, spec: StepSpec) -> Any:
     """LoRA: the frozen base's shapes in --base-dtype; None for full training."""
     if spec.lora is None:
         return None
-    dtype = jnp.dtype(spec.base_dtype)
     base = split(jax.eval_shape(lambda: init_params(model, spec.seed, spec.seq_len)))[0]
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), base)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, held_dtype(x.dtype, x.ndim, spec.base_dtype)), base)
+
+
+def held_dtype(dtype: Any, ndim: int, base_dtype: str) -> Any:
+    """The dtype a frozen base's leaf is held in: `base_dtype`; with "nf4" the blocks' kernels are NF4 codes
+    (uint8) and absmax (float32, as any vector: norms, biases), and the other matrices (embedding, head) bfloat16."""
+    if base_dtype != "nf4":
+        return jnp.dtype(base_dtype)
+    if jnp.dtype(dtype) == jnp.uint8 or ndim != 2:
+        return jnp.dtype(dtype)
+    return jnp.dtype(jnp.bfloat16)
 
 
 def shares_muon_work(spec: StepSpec, mesh: Any) -> bool:
@@ -222,9 +232,11 @@ def init_state(built: Built, params: Any = None) -> TrainState:
 def place_base(built: Built, params: Any) -> Any:
     """LoRA: the pretrained weights as the frozen base, in --base-dtype and the base's layout, one array at a
     time (load_pretrained already read them in that dtype; an array already in place is not copied)."""
-    dtype = jnp.dtype(built.spec.base_dtype)
-    return jax.tree.map(lambda x, s: jax.device_put(x if x.dtype == dtype else x.astype(dtype), s), params,
-                        built.base_sharding)
+    def put(x: Any, sharding: Any) -> Any:
+        dtype = held_dtype(x.dtype, x.ndim, built.spec.base_dtype)
+        return jax.device_put(x if x.dtype == dtype else x.astype(dtype), sharding)
+
+    return jax.tree.map(put, params, built.base_sharding)
 
 
 def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True,
@@ -235,20 +247,25 @@ def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True,
     twice on the host, and under FSDP never whole on one device."""
     from slm.io.hf_import import load_hf_folder
 
-    target = np.dtype(jnp.dtype(dtype))
+    from slm.model.nf4 import quantize_block, quantize_params
+
+    nf4 = dtype == "nf4"  # read in float32, each block's kernels quantized as the block is assembled
+    target = np.dtype(jnp.dtype("float32" if nf4 else dtype))
     digest = hashlib.sha256()
 
     def place(x: np.ndarray) -> Any:
         digest.update(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data)  # bf16 has no buffer format
-        x = x.astype(target, copy=False)
+        x = x.astype(held_dtype(x.dtype, x.ndim, dtype) if nf4 else target, copy=False)
         return jax.device_put(x) if sharding is None else jax.device_put(x, sharding(tuple(x.shape)))
 
     if os.path.isdir(os.path.join(folder, "checkpoints")):  # a run of this trainer
         run = load_run(folder)
-        params = jax.tree.map(lambda x: place(np.asarray(x)), run.params) if weights else None
+        tree = jax.tree.map(np.asarray, run.params) if weights else None
+        params = jax.tree.map(place, quantize_params(tree) if nf4 else tree) if weights else None
         shape, what = run.shape, f"step {run.step} of the run"
     else:
-        shape, params, _ = load_hf_folder(folder, weights=weights, place=place, dtype=target)
+        shape, params, _ = load_hf_folder(folder, weights=weights, place=place, dtype=target,
+                                          block_transform=quantize_block if nf4 else None)
         what = "safetensors"
     return shape, params, digest.hexdigest() if params is not None else None, what
 
@@ -330,8 +347,13 @@ def _with_base(run_dir: str, config: dict, adapters: Any, lora: LoraSpec) -> Any
     from slm.model.lora import fold, merge
 
     folder, _ = resolve_pretrained(config["init_from"], config.get("init_revision"), lambda *_: None)
-    shape, base, fingerprint, _ = load_pretrained(folder, config.get("base_dtype", "float32"))  # as hashed in training
+    base_dtype = config.get("base_dtype", "float32")
+    shape, base, fingerprint, _ = load_pretrained(folder, base_dtype)  # as hashed in training
     if config.get("base_fingerprint") and fingerprint != config["base_fingerprint"]:
         raise RunError(f"{run_dir}: its base {config['init_from']} has changed since training (sha256 "
                        f"{fingerprint[:12]}..., trained on {config['base_fingerprint'][:12]}...)")
+    if base_dtype == "nf4":  # the weights the adapters trained against: NF4's levels times each block's absmax
+        from slm.model.nf4 import dequantize_params
+
+        base = dequantize_params(base, shape)
     return fold(merge(base, adapters), shape, lora)

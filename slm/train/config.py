@@ -63,7 +63,7 @@ class Config:
     lora_alpha: float = setting(16.0, "LoRA scale numerator: adapters add (alpha / rank) * x A B", IDENTITY)
     lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input during training", IDENTITY, "probability")
     lora_targets: str = setting("q_proj,v_proj", "LoRA: comma-separated Hugging Face module names among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj", IDENTITY)
-    base_dtype: str = setting("float32", "With --lora-rank: the dtype the frozen base is held in (adapters always train in float32)", IDENTITY, choices=("float32", "bfloat16", "float16"))
+    base_dtype: str = setting("float32", "With --lora-rank: the dtype the frozen base is held in (adapters always train in float32); nf4: QLoRA's 4-bit NormalFloat for the blocks' matrices (block 64, float32 absmax; embeddings bfloat16), dequantised per matmul", IDENTITY, choices=("float32", "bfloat16", "float16", "nf4"))
     # instruction data
     prompt_column: str | None = setting(None, "Instruction data: the prompt column (with --response-column); the loss is taken on response tokens only", IDENTITY, unset="off")
     response_column: str | None = setting(None, "Instruction data: the response column (with --prompt-column)", IDENTITY, unset="off")

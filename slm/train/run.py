@@ -36,7 +36,7 @@ from slm.io.tracking import Trackers
 from slm.memory.host import peak_rss_mb, release_free_heap
 from slm.memory.monitor import MemoryMonitor
 from slm.memory.preflight import MemoryPlan
-from slm.model.sizing import describe, flops_per_token, logit_columns
+from slm.model.sizing import count_params, describe, flops_per_token, logit_columns
 from slm.optim.schedule import warmup_for
 from slm.train.config import Config, RunFacts
 from slm.train.devices import Processes
@@ -267,8 +267,8 @@ def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state
     from slm.train.devices import device_bytes
 
     state, base = state_base
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves((state.params, base)))
     trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    n_params = count_params(data.shape) + (trainable if base is not None else 0)  # an nf4 base's leaves are codes
     opt_bytes = state_bytes(state.opt_state)  # == slm.model.sizing.optimizer_state_bytes (tested)
     mesh, procs = built.mesh, env.procs
     device = mesh.devices.flat[0]

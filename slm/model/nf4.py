@@ -1,0 +1,138 @@
+"""QLoRA's 4-bit NormalFloat (NF4) for a frozen base (Dettmers et al. 2023, and bitsandbytes' layout).
+
+Each weight matrix, in transformers' (out, in) layout and flattened row-major, is cut into blocks of 64
+values; a block keeps its absmax (float32) and each value the index (4 bits) of the nearest of the 16 NF4
+levels to value / absmax. Two indices share a byte, the first in the high nibble. So a block of 64 weights
+whose `in` is a multiple of 64 never spans two output rows, and the blocks are bitsandbytes' own. The
+absmax values are not quantised again (no double quantisation): 4 + 32/64 = 4.5 bits a weight.
+
+Quantising is numpy on the host, once, as the weights load. `nf4_linear` dequantises inside the jitted step,
+per matmul, and its custom VJP dequantises again for the input gradient instead of keeping the dequantised
+matrix from the forward: the step holds the 4-bit codes, never a 16- or 32-bit copy of the base.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from slm.model.matmul import contract_f32
+from slm.model.sizing import ModelShape
+
+# The 16 NF4 levels (QLoRA, appendix E; bitsandbytes' dDequantizeNF4), index 0b0000 .. 0b1111.
+LEVELS = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                   -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                   0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                   0.7229568362236023, 1.0], np.float32)
+BLOCK = 64
+KERNELS = (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down"))  # the block's matmul kernels
+_MIDPOINTS = (LEVELS[1:] + LEVELS[:-1]) / 2
+
+
+def blocks_of(n_in: int, n_out: int) -> int:
+    return -(-(n_in * n_out) // BLOCK)
+
+
+def quantize(kernel_IxO: np.ndarray) -> dict[str, np.ndarray]:
+    """A kernel (in, out) -> {"nf4_codes": uint8 (blocks * 32,), "nf4_absmax": float32 (blocks,)}."""
+    flat = np.ascontiguousarray(np.asarray(kernel_IxO, np.float32).T).reshape(-1)
+    n_blocks = blocks_of(*kernel_IxO.shape)
+    blocks = np.zeros(n_blocks * BLOCK, np.float32)
+    blocks[: flat.size] = flat
+    blocks = blocks.reshape(n_blocks, BLOCK)
+    absmax = np.abs(blocks).max(axis=1)
+    scaled = blocks / np.where(absmax > 0, absmax, 1.0)[:, None]
+    codes = np.searchsorted(_MIDPOINTS, scaled).astype(np.uint8).reshape(-1)  # the nearest level's index
+    return {"nf4_codes": (codes[0::2] << 4) | codes[1::2], "nf4_absmax": absmax}
+
+
+def dequantize_rows(codes: jax.Array, absmax: jax.Array, n_in: int, n_out: int, dtype: Any) -> jax.Array:
+    """The weights back as (out, in) rows in `dtype` (jax; traced inside the step)."""
+    idx = jnp.stack([codes >> 4, codes & 15], axis=-1).reshape(-1, BLOCK)
+    values = jnp.asarray(LEVELS)[idx.astype(jnp.int32)] * absmax[:, None]
+    return values.reshape(-1)[: n_in * n_out].reshape(n_out, n_in).astype(dtype)
+
+
+def dequantize(q: dict[str, Any], n_in: int, n_out: int) -> np.ndarray:
+    """numpy: the float32 kernel (in, out) that a quantized one stands for (exports, tests)."""
+    idx = np.stack([q["nf4_codes"] >> 4, q["nf4_codes"] & 15], axis=-1).reshape(-1, BLOCK)
+    values = LEVELS[idx] * np.asarray(q["nf4_absmax"], np.float32)[:, None]
+    return np.ascontiguousarray(values.reshape(-1)[: n_in * n_out].reshape(n_out, n_in).T)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def nf4_linear(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dtype: Any, bf16: bool) -> jax.Array:
+    """x (..., in) . W (in, out) with W dequantised to `dtype` (bf16 operands and float32 sums when `bf16`)."""
+    return _forward(x, codes, absmax, n_out, dtype, bf16)
+
+
+def _forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dtype: Any, bf16: bool) -> jax.Array:
+    if bf16:
+        w_OxI = dequantize_rows(codes, absmax, x.shape[-1], n_out, jnp.bfloat16)
+        return contract_f32(x.astype(jnp.bfloat16), (x.ndim - 1,), w_OxI, (1,)).astype(dtype)
+    w_OxI = dequantize_rows(codes, absmax, x.shape[-1], n_out, dtype)
+    return lax.dot_general(x.astype(dtype), w_OxI, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def _fwd(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dtype: Any, bf16: bool) -> tuple:
+    # the residuals are the 4-bit codes (held anyway) and x's dtype: no activation, no dequantised matrix
+    return _forward(x, codes, absmax, n_out, dtype, bf16), (codes, absmax, jnp.zeros((0, x.shape[-1]), x.dtype))
+
+
+def _bwd(n_out: int, dtype: Any, bf16: bool, res: tuple, g: jax.Array) -> tuple:
+    codes, absmax, x_tag = res  # x_tag: x's dtype and width, as an empty array
+    w_OxI = dequantize_rows(codes, absmax, x_tag.shape[1], n_out, jnp.bfloat16 if bf16 else dtype)
+    g = g.astype(w_OxI.dtype)
+    dx = contract_f32(g, (g.ndim - 1,), w_OxI, (0,)) if bf16 else lax.dot_general(g, w_OxI, (((g.ndim - 1,), (0,)), ((), ())))
+    return dx.astype(x_tag.dtype), np.zeros(codes.shape, jax.dtypes.float0), jnp.zeros_like(absmax)
+
+
+nf4_linear.defvjp(_fwd, _bwd)
+
+
+def quantize_params(params: dict) -> dict:
+    """A model's params (numpy) with each block's matmul kernels quantized; everything else as it was."""
+    out = dict(params)
+    for name, block in params.items():
+        if name.startswith("block_"):
+            out[name] = quantize_block(block)
+    return out
+
+
+def quantize_block(block: dict) -> dict:
+    """One block's params with its four matmul kernels replaced by their NF4 codes and absmax."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in block.items()}
+    for part, name in KERNELS:
+        module = dict(out[part][name])
+        module.update(quantize(module.pop("kernel")))
+        out[part] = {**out[part], name: module}
+    return out
+
+
+def kernel_shapes(shape: ModelShape) -> dict:
+    """{(part, name): (in, out)} of a block's four matmul kernels (KERNELS)."""
+    D, F = shape.d_model, shape.d_ff
+    q, qkv = shape.n_heads * shape.head_dim, (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim
+    return {("attn", "qkv"): (D, qkv), ("attn", "o"): (q, D), ("mlp", "gate_up"): (D, 2 * F), ("mlp", "down"): (F, D)}
+
+
+def dequantize_params(params: dict, shape: ModelShape) -> dict:
+    """The inverse, for sampling and exports: every quantized kernel back to a float32 (in, out) jax array
+    (NF4's level times its block's absmax); the other leaves as they were."""
+    shapes, out = kernel_shapes(shape), dict(params)
+    for name, block in params.items():
+        if not name.startswith("block_"):
+            continue
+        block = {k: dict(v) if isinstance(v, dict) else v for k, v in block.items()}
+        for part, kernel in KERNELS:
+            module = dict(block[part][kernel])
+            codes, absmax = jnp.asarray(module.pop("nf4_codes")), jnp.asarray(module.pop("nf4_absmax"))
+            module["kernel"] = dequantize_rows(codes, absmax, *shapes[(part, kernel)], jnp.float32).T
+            block[part] = {**block[part], kernel: module}
+        out[name] = block
+    return out
