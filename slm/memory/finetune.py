@@ -78,7 +78,7 @@ LORA_COEFFICIENTS = {
 # XLA:CPU's float32 copies of the base's matmul weights, per 4 bytes of them (fitted: 0.95-0.97); under
 # mixed precision a base that is not bfloat16 also keeps the head's bfloat16 rounding (2 bytes/weight).
 CAST_CPU = 0.96
-NF4_TRANSIENT = 8.0  # one dequantised kernel in flight: its float32 values and int32 level indices
+NF4_TRANSIENT = 4.0  # one dequantised kernel in flight: its float32 values (XLA:CPU, measured)
 
 
 @dataclass(frozen=True)

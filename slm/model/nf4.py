@@ -51,10 +51,13 @@ def quantize(kernel_IxO: np.ndarray) -> dict[str, np.ndarray]:
     return {"nf4_codes": (codes[0::2] << 4) | codes[1::2], "nf4_absmax": absmax}
 
 
-def dequantize_rows(codes: jax.Array, absmax: jax.Array, n_in: int, n_out: int, dtype: Any) -> jax.Array:
+def dequantize_rows(codes: jax.Array, absmax: jax.Array, n_in: int, n_out: int, dtype: Any,
+                    levels: jax.Array | None = None) -> jax.Array:
     """The weights back as (out, in) rows in `dtype` (jax; traced inside the step)."""
-    idx = jnp.stack([codes >> 4, codes & 15], axis=-1).reshape(-1, BLOCK)
-    values = jnp.asarray(LEVELS)[idx.astype(jnp.int32)] * absmax[:, None]
+    table = jnp.asarray(LEVELS) if levels is None else levels
+    # each nibble looked up on its own: a stacked (n, 2) index array would not depend on `levels` (see _after)
+    pairs = jnp.stack([table[(codes >> 4).astype(jnp.int32)], table[(codes & 15).astype(jnp.int32)]], axis=-1)
+    values = pairs.reshape(-1, BLOCK) * absmax[:, None]
     return values.reshape(-1)[: n_in * n_out].reshape(n_out, n_in).astype(dtype)
 
 
@@ -72,11 +75,23 @@ def nf4_linear(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dt
 
 
 def _forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dtype: Any, bf16: bool) -> jax.Array:
+    levels = _after(x)
     if bf16:
-        w_OxI = dequantize_rows(codes, absmax, x.shape[-1], n_out, jnp.bfloat16)
+        w_OxI = dequantize_rows(codes, absmax, x.shape[-1], n_out, jnp.bfloat16, levels)
         return contract_f32(x.astype(jnp.bfloat16), (x.ndim - 1,), w_OxI, (1,)).astype(dtype)
-    w_OxI = dequantize_rows(codes, absmax, x.shape[-1], n_out, dtype)
+    w_OxI = dequantize_rows(codes, absmax, x.shape[-1], n_out, dtype, levels)
     return lax.dot_general(x.astype(dtype), w_OxI, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def _after(anchor: jax.Array) -> jax.Array:
+    """The 16 levels, made to depend on one element of `anchor` (the layer's input, or its output's cotangent).
+
+    Otherwise the dequantisation depends on the parameters alone: XLA computes every layer's up front and
+    merges the backward's with the forward's (common-subexpression elimination), holding the whole base
+    dequantised for the step. XLA:CPU drops optimization barriers before scheduling, so the dependency is
+    a real one: x0 * 0 (not folded for floats; a non-finite x0 would make this layer's output non-finite
+    anyway)."""
+    return jnp.asarray(LEVELS) + anchor.reshape(-1)[0].astype(jnp.float32) * 0.0
 
 
 def _fwd(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dtype: Any, bf16: bool) -> tuple:
@@ -86,7 +101,8 @@ def _fwd(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dtype: A
 
 def _bwd(n_out: int, dtype: Any, bf16: bool, res: tuple, g: jax.Array) -> tuple:
     codes, absmax, x_tag = res  # x_tag: x's dtype and width, as an empty array
-    w_OxI = dequantize_rows(codes, absmax, x_tag.shape[1], n_out, jnp.bfloat16 if bf16 else dtype)
+    levels = _after(g)  # dequantised again, here, once g exists (see _after)
+    w_OxI = dequantize_rows(codes, absmax, x_tag.shape[1], n_out, jnp.bfloat16 if bf16 else dtype, levels)
     g = g.astype(w_OxI.dtype)
     dx = contract_f32(g, (g.ndim - 1,), w_OxI, (0,)) if bf16 else lax.dot_general(g, w_OxI, (((g.ndim - 1,), (0,)), ((), ())))
     return dx.astype(x_tag.dtype), np.zeros(codes.shape, jax.dtypes.float0), jnp.zeros_like(absmax)
