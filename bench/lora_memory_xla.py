@@ -1,8 +1,8 @@
 """The LoRA memory arithmetic against XLA's own figure for the real train step, at abstract shapes.
 
-    .venv/bin/python bench/lora_memory_xla.py [--models smollm2-135m,...] [--quick]
+    .venv/bin/python bench/lora_memory_xla.py [--models smollm2-135m,...] [--quick] [--base-dtype nf4]
 
-For each config.json in ../shared/models/ (LoRA r16 on q_proj,v_proj, a bf16 base, batch 1, remat, one
+For each config.json in ../shared/models/ (LoRA r16 on q_proj,v_proj, a bf16 (or --base-dtype) base, batch 1, remat, one
 CPU device): slm.train.builder builds the trainer's LoRA StepSpec and compile_step compiles the jitted step
 at jax.ShapeDtypeStruct shapes (nothing is allocated, so Mistral-7B compiles on a 24 GB machine) and
 reads XLA's memory analysis (arguments + outputs + temporaries - donated). The estimate is
@@ -27,14 +27,15 @@ MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 SMALL = ("smollm2-135m", "qwen2.5-0.5b")
 
 
-def xla_mb(config: str, seq: int, batch: int, mixed: bool, targets: tuple[str, ...]) -> tuple[float, float]:
+def xla_mb(config: str, seq: int, batch: int, mixed: bool, targets: tuple[str, ...],
+           base_dtype: str = "bfloat16") -> tuple[float, float]:
     """(XLA's peak MB per device, compile seconds) of the trainer's LoRA step for this config."""
     from slm.model.lora import LoraSpec
     from slm.train.builder import StepSpec, build, compile_step
     from slm.train.devices import data_mesh
 
     spec = StepSpec(model_shape(config), seq, batch, 1, mixed, True, lora=LoraSpec(16, 32.0, 0.0, targets),
-                    base_dtype="bfloat16")
+                    base_dtype=base_dtype)
     built = build(spec, data_mesh(batch, max_devices=1))
     _, secs, peak = compile_step(built)
     return peak, secs
@@ -44,6 +45,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b,tinyllama-1.1b,mistral-7b-v0.1")
     p.add_argument("--quick", action="store_true", help="seq 256 only")
+    p.add_argument("--base-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16", "nf4"))
     a = p.parse_args()
     targets = ("q_proj", "v_proj")
     print("| model | params | seq | batch | compute | estimate MB | XLA MB | estimate / XLA | compile s |")
@@ -53,9 +55,9 @@ def main() -> None:
         runs = [(256, False), (256, True)] + ([(512, False)] if name in SMALL and not a.quick else [])
         for seq, mixed in runs:
             est = estimate_memory_usage(0, seq, 1, model=config, lora_rank=16, lora_targets=targets,
-                                        base_dtype="bfloat16", gradient_checkpointing=True, mixed_precision=mixed)
+                                        base_dtype=a.base_dtype, gradient_checkpointing=True, mixed_precision=mixed)
             t = time.time()
-            xla, secs = xla_mb(config, seq, 1, mixed, targets)
+            xla, secs = xla_mb(config, seq, 1, mixed, targets, a.base_dtype)
             ratio = est["device_total_mb"] / xla
             print(f"| {name} | {est['model_params'] / 1e6:,.0f}M | {seq} | 1 | {'bf16' if mixed else 'float32'} | "
                   f"{est['device_total_mb']:,.0f} | {xla:,.0f} | {ratio:.3f} ({(ratio - 1) * 100:+.1f}%) | "

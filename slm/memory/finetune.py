@@ -34,7 +34,7 @@ On an accelerator GPU_RUNTIME_MB is added to the device total.
 
 An nf4 base is dequantised per matmul and again for its backward (slm.model.nf4.nf4_linear), so no block
 weight is held in a wider dtype: its casts are the head's (held bfloat16, like a bfloat16 base's) plus one
-kernel dequantised at a time (NF4_TRANSIENT bytes a weight of the largest kernel, fitted).
+kernel dequantised at a time in the compute dtype (NF4_TRANSIENT, measured on XLA:CPU).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ LORA_COEFFICIENTS = {
 # XLA:CPU's float32 copies of the base's matmul weights, per 4 bytes of them (fitted: 0.95-0.97); under
 # mixed precision a base that is not bfloat16 also keeps the head's bfloat16 rounding (2 bytes/weight).
 CAST_CPU = 0.96
-NF4_TRANSIENT = 4.0  # one dequantised kernel in flight: its float32 values (XLA:CPU, measured)
+NF4_TRANSIENT = 1.0  # one dequantised kernel in flight, per byte of the compute dtype (XLA:CPU, measured)
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,8 @@ def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, r
     block, head = matmul_weights(shape)
     if base_dtype == "nf4":  # the head as a bfloat16 base's, and one block kernel dequantised at a time
         return base_cast_bytes(shape.__class__(**{**shape.to_dict(), "n_layers": 0}), "bfloat16", mixed_precision,
-                               remat, platform, chunked_loss) + int(NF4_TRANSIENT * largest_kernel(shape))
+                               remat, platform, chunked_loss) + int(NF4_TRANSIENT * (2 if mixed_precision else 4)
+                                                                     * largest_kernel(shape))
     if platform == "cpu":
         if not (base_dtype != "float32" or mixed_precision):
             return 0

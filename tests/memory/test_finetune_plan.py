@@ -44,6 +44,21 @@ def test_seed_002_final_settings_fit_24gb_and_first_settings_do_not():
     assert bf16["base_casts_mb"] == 0 and GPU_24GB + 2 * 1024 < bf16["device_total_mb"] < first["device_total_mb"]
 
 
+def test_seed_002_final_settings_with_an_nf4_base_plan_under_7gb():
+    """QLoRA (issue 33): the blocks' kernels at 4.5 bits a weight, the embedding and head bfloat16, the norms
+    float32; the seed's final run then plans to under 7 GB, and the planner picks nf4 for an 8 GB card when
+    allowed it."""
+    shape = model_shape(MISTRAL)
+    nf4 = estimate_memory_usage(0, 256, 1, model=MISTRAL, **{**FINAL, "base_dtype": "nf4"})
+    kernels = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)
+    want = kernels * (0.5 + 4 / 64) + 2 * 2 * 32000 * 4096 + 4 * (count_params(shape) - kernels - 2 * 32000 * 4096)
+    assert nf4["base_params_mb"] == pytest.approx(want / MB, abs=1e-3)  # the breakdown is rounded to kB
+    assert nf4["device_total_mb"] <= 7 * 1024 < estimate_memory_usage(0, 256, 1, model=MISTRAL, **FINAL)["device_total_mb"]
+    plan = fit_to_budget("8GB", 256, 1, 16, model=MISTRAL, lora_rank=16, base_dtype="float16", platform="gpu",
+                         allow_base_dtypes=["bfloat16", "nf4"])
+    assert plan["base_dtype"] == "nf4" and plan["device_total_mb"] <= 0.9 * 8 * 1024
+
+
 def test_planner_fits_the_first_settings_into_24gb_keeping_the_effective_batch():
     plan = fit_to_budget("24GB", 512, 2, 8, model=MISTRAL, **{k: v for k, v in FIRST.items()
                                                                if k not in ("gradient_accumulation_steps",)})
