@@ -78,6 +78,13 @@ LORA_COEFFICIENTS = {
 # XLA:CPU's float32 copies of the base's matmul weights, per 4 bytes of them (fitted: 0.95-0.97); under
 # mixed precision a base that is not bfloat16 also keeps the head's bfloat16 rounding (2 bytes/weight).
 CAST_CPU = 0.96
+# Qwen3's per-head q/k RMSNorms keep ~14 bytes per normed q and k element per token and layer beyond the
+# coefficients (fitted to XLA:CPU at 2 and 4 layers of qwen3-0.6b, f32 and bf16 compute, bf16 and nf4 bases:
+# 12-15; without it the full-depth estimate was -7% of XLA's).
+QK_NORM_BYTES = 14.0
+# With an nf4 base XLA:CPU holds 0.82-0.99x the activations the coefficients give (5 shapes at 2 and 4 layers:
+# smollm2 0.82, qwen2.5 0.85, llama-3.2-1b 0.98, tinyllama 0.99); the middle of that range.
+NF4_ACTIVATIONS = 0.9
 NF4_TRANSIENT = 1.0  # one dequantised kernel in flight, per byte of the compute dtype (XLA:CPU, measured)
 
 
@@ -184,10 +191,11 @@ def backward_bytes(shape: ModelShape, tokens: int, seq_len: int, coefficients: t
     # Chunked, XLA:CPU keeps ~64 bytes per token per unit of D beyond the chunk's logits (the loop's float32
     # dx carry and its operands): fitted to 5 shapes, 1M-30M params, vocab 2,048-32,000 (docs/memory.md).
     logits = tokens * (V * e + (CHUNKED_BYTES_PER_D * D if V < shape.vocab_size else 0))
-    per_layer = a * D + b * F + c * H * seq_len
+    qk = QK_NORM_BYTES * (H + shape.kv_heads) * shape.head_dim if shape.qk_norm else 0  # Qwen3's q/k norms
+    per_layer = a * D + b * F + c * H * seq_len + qk
     if layer_coefficients is not None:
         a1, b1, c1, _ = layer_coefficients
-        per_token = (L - 1) * D * compute_bytes + a1 * D + b1 * F + c1 * H * seq_len
+        per_token = (L - 1) * D * compute_bytes + a1 * D + b1 * F + c1 * H * seq_len + qk
         return int(tokens * per_token), int(logits)
     return int(tokens * L * per_layer), int(logits)
 
@@ -205,6 +213,8 @@ def lora_breakdown(shape: ModelShape, ft: Finetune, seq_len: int, micro_batch: i
         shape, micro_batch * seq_len, seq_len, LORA_COEFFICIENTS[(remat and not ideal, bool(mixed_precision))],
         LORA_COEFFICIENTS[(False, bool(mixed_precision))] if ideal else None, 2 if mixed_precision else 4, loss_chunk,
         platform)
+    if ft.base_dtype == "nf4":
+        activations = int(NF4_ACTIVATIONS * activations)
     return {
         "base_params": base_param_bytes(shape, ft.base_dtype),
         "params": 4 * n,
