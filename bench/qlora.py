@@ -70,7 +70,7 @@ def lora_run(tmp: str, folder: str, dtype: str, seed: int, steps: int) -> tuple[
                      lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"), log=lambda *_: None)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     losses = [r["loss"] for r in rows if "loss" in r]
-    times = [1e3 * 8 * 128 / r["tokens_per_sec"] for r in rows if "loss" in r][5:]  # past compile and warm-up
+    times = [1e3 * 8 * 128 / r["tokens_per_sec"] for r in rows if r.get("tokens_per_sec")][5:]  # past warm-up
     return s, losses, statistics.median(times) if times else float("nan")
 
 
@@ -80,10 +80,11 @@ def main() -> None:
     p.add_argument("--base-steps", type=int, default=300)
     p.add_argument("--lora-steps", type=int, default=150)
     p.add_argument("--seeds", default="0,1")
+    p.add_argument("--base", default=None, metavar="DIR", help="a base folder from an earlier run (skips pretraining)")
     a = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="qlora_")
     print(f"host: {cpu_model()}")
-    folder = pretrained_base(tmp, a.target_params, a.base_steps)
+    folder = a.base or pretrained_base(tmp, a.target_params, a.base_steps)
     print(quantisation_error(folder))
     curves: dict = {}
     print("| base | seed | eval loss | final train loss (mean of last 10) | median step ms |")
