@@ -16,8 +16,15 @@ FAMILIES = {
     # head (16) fall in all three bands: unchanged, blended and divided by the factor
     "llama3": dict(rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_scaling=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)),
+    # Gemma 3: (1 + w) and sandwich norms, scaled embeddings, GeGLU, q/k norms, a query scale that is not
+    # head_dim's, and sliding-window layers (window 8, shorter than the tests' sequences) with their own rope
+    # theta around a global one (every 3rd layer here)
+    "gemma3": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, head_dim=32,
+                   query_pre_attn_scalar=24, sliding_window=8, num_hidden_layers=3,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
 }
-CLASSES = {"llama": "Llama", "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+CLASSES = {"llama": "Llama", "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+           "gemma3": "Gemma3"}
 
 
 def save_tiny(family: str, out, seed: int = 0, vocab_size: int = 128, tokenizer=None):
@@ -25,16 +32,17 @@ def save_tiny(family: str, out, seed: int = 0, vocab_size: int = 128, tokenizer=
     import transformers
 
     cls = CLASSES[family]
-    config = getattr(transformers, f"{cls}Config")(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, **FAMILIES[family])
+    config_cls = getattr(transformers, "Gemma3TextConfig" if family == "gemma3" else f"{cls}Config")
+    config = config_cls(**{**dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+                           **FAMILIES[family]})
     torch.manual_seed(seed)
     model = getattr(transformers, f"{cls}ForCausalLM")(config).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():  # norms and biases off their init, so a mix-up shows
-            if "norm" in name:
-                p.copy_(1.0 + 0.5 * (torch.rand(p.shape, generator=gen) * 2 - 1))
+            if "norm" in name:  # Gemma's norms scale by (1 + w): its w around 0
+                p.copy_((0.0 if family == "gemma3" else 1.0) + 0.5 * (torch.rand(p.shape, generator=gen) * 2 - 1))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(str(out), safe_serialization=True)

@@ -67,6 +67,7 @@ from slm.data.instruction import optional_chat_template
 from slm.data.tokenizer import SpecialIds, special_ids
 from slm.errors import ExportError
 from slm.io.atomic import write_json
+from slm.io.hf_import import norm_names
 from slm.model.hf_config import SCALING_KEYS
 from slm.model.sizing import ModelShape
 
@@ -101,7 +102,8 @@ def hf_state_dict(params: Mapping[str, Any], shape: ModelShape) -> dict[str, np.
         if qkv_kernel.shape != (D, q_w + 2 * kv_w) or gate_up_Dx2F.shape != (D, 2 * F):
             raise ExportError(f"block_{i}: qkv {qkv_kernel.shape} / gate_up {gate_up_Dx2F.shape} do not match "
                               f"d_model {D}, d_ff {F}")
-        out[f"{pre}.input_layernorm.weight"] = _f32(block["attn_norm"]["scale"])
+        for theirs, ours in norm_names(shape).items():
+            out[f"{pre}.{theirs}.weight"] = _f32(block[ours]["scale"])
         for name, (a, b) in cuts.items():
             out[f"{pre}.self_attn.{name}_proj.weight"] = _f32(qkv_kernel[:, a:b].T)
             if shape.qkv_bias:
@@ -110,7 +112,6 @@ def hf_state_dict(params: Mapping[str, Any], shape: ModelShape) -> dict[str, np.
         if shape.qk_norm:
             for p in "qk":
                 out[f"{pre}.self_attn.{p}_norm.weight"] = _f32(block["attn"][f"{p}_norm"]["scale"])
-        out[f"{pre}.post_attention_layernorm.weight"] = _f32(block["mlp_norm"]["scale"])
         out[f"{pre}.mlp.gate_proj.weight"] = _f32(gate_up_Dx2F[:, :F].T)
         out[f"{pre}.mlp.up_proj.weight"] = _f32(gate_up_Dx2F[:, F:].T)
         out[f"{pre}.mlp.down_proj.weight"] = _f32(np.asarray(block["mlp"]["down"]["kernel"]).T)
@@ -118,21 +119,18 @@ def hf_state_dict(params: Mapping[str, Any], shape: ModelShape) -> dict[str, np.
 
 
 def hf_config(shape: ModelShape, max_positions: int, special: SpecialIds) -> dict:
-    """config.json for LlamaForCausalLM.
+    """config.json for the model's transformers family (Llama, Qwen2, Qwen3 or Gemma 3).
 
     transformers 5.x spells RoPE as `rope_parameters: {rope_type, rope_theta}` and the dtype as `dtype`;
     4.x reads top-level `rope_theta` and `torch_dtype`. Both spellings are written: 5.x folds a top-level
     rope_theta into rope_parameters (keeping rope_parameters' own value) and takes torch_dtype silently
     when dtype is set, and 4.x ignores the keys it does not know.
     """
-    # Llama's attention_bias would put a bias on o_proj too; Qwen2 has q/k/v only; Qwen3 has q/k norms
-    family = "qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else "llama"
-    if shape.qk_norm and shape.qkv_bias:
-        raise ExportError("a model with both q/k/v biases and q/k norms has no transformers family to export to")
-    return {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[family]],
-        "model_type": family,
+    family = export_family(shape)
+    config = {
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}[family]],
+        "model_type": "gemma3_text" if family == "gemma3" else family,
         "vocab_size": shape.vocab_size,
         "hidden_size": shape.d_model,
         "intermediate_size": shape.d_ff,
@@ -159,6 +157,32 @@ def hf_config(shape: ModelShape, max_positions: int, special: SpecialIds) -> dic
         "dtype": "float32",
         "torch_dtype": "float32",
     }
+    return gemma3_config(shape, config) if family == "gemma3" else config
+
+
+def export_family(shape: ModelShape) -> str:
+    """The transformers family that computes what this shape computes."""
+    if shape.sandwich_norms:
+        return "gemma3"
+    if shape.qk_norm and shape.qkv_bias:  # Llama's attention_bias would put a bias on o_proj too
+        raise ExportError("a model with both q/k/v biases and q/k norms has no transformers family to export to")
+    return "qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else "llama"
+
+
+def gemma3_config(shape: ModelShape, config: dict) -> dict:
+    """Gemma 3's keys in both layouts: the hub's (sliding_window_pattern, rope_local_base_freq, rope_scaling)
+    and transformers 5's (layer_types, per-type rope_parameters)."""
+    windows = {w for w in shape.layer_windows or () if w}
+    if len(windows) > 1 or shape.query_scale is None:
+        raise ExportError("a Gemma 3 model needs one sliding window and a query scale")
+    del config["hidden_act"], config["pretraining_tp"]
+    full = {"rope_theta": shape.rope_theta, **rope_scaling_config(shape)}
+    local = {"rope_type": "default", "rope_theta": shape.rope_local_theta or shape.rope_theta}
+    return {**config, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": round(shape.query_scale ** -2),
+            "sliding_window": windows.pop() if windows else None, "rope_local_base_freq": local["rope_theta"],
+            "layer_types": ["sliding_attention" if shape.window(i) else "full_attention" for i in range(shape.n_layers)],
+            "rope_parameters": {"full_attention": full, "sliding_attention": local},
+            "attn_logit_softcapping": None, "final_logit_softcapping": None, "use_bidirectional_attention": False}
 
 
 def rope_scaling_config(shape: ModelShape) -> dict:

@@ -76,9 +76,18 @@ def _tensors(files: list[str], dtype: Any = np.float32) -> Iterator[tuple[str, n
                 yield name, x.astype(dtype, copy=False)  # a bf16 file held in bf16 is never widened
 
 
+def norm_names(shape: ModelShape) -> dict[str, str]:
+    """The block's norms: transformers' name -> this model's. Llama's post_attention_layernorm is the MLP's
+    input norm; Gemma's normalises the attention's output, and pre_feedforward_layernorm is the MLP's."""
+    if shape.sandwich_norms:
+        return {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attn_norm",
+                "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"}
+    return {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
+
+
 def _layer_names(shape: ModelShape) -> set[str]:
     names = {f"self_attn.{p}_proj.weight" for p in "qkvo"} | {f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
-    names |= {"input_layernorm.weight", "post_attention_layernorm.weight"}
+    names |= {f"{n}.weight" for n in norm_names(shape)}
     names |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"} if shape.qk_norm else set()
     return names | ({f"self_attn.{p}_proj.bias" for p in "qkv"} if shape.qkv_bias else set())
 
@@ -114,10 +123,10 @@ def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray],
         if f"block_{i}" not in params:
             missing = min(wanted - pending.get(i, {}).keys())
             raise RunError(f"{folder}: the weights have no tensor model.layers.{i}.{missing}; is it a "
-                           f"Llama/Mistral/Qwen2 checkpoint?")
+                           f"Llama/Mistral/Qwen2/Qwen3/Gemma3 checkpoint?")
     for name, (key, _) in top.items():
         if key not in params:
-            raise RunError(f"{folder}: the weights have no tensor {name}; is it a Llama/Mistral/Qwen2/Qwen3 checkpoint?")
+            raise RunError(f"{folder}: the weights have no tensor {name}; is it a Llama/Mistral/Qwen2/Qwen3/Gemma3 checkpoint?")
     return params
 
 
@@ -139,9 +148,8 @@ def _block(t: dict, shape: ModelShape, folder: str) -> dict:
     if shape.qk_norm:
         attn |= {f"{p}_norm": {"scale": _need(t, f"self_attn.{p}_norm.weight", (K,), folder)} for p in "qk"}
     return {
-        "attn_norm": {"scale": _need(t, "input_layernorm.weight", (D,), folder)},
+        **{ours: {"scale": _need(t, f"{theirs}.weight", (D,), folder)} for theirs, ours in norm_names(shape).items()},
         "attn": attn,
-        "mlp_norm": {"scale": _need(t, "post_attention_layernorm.weight", (D,), folder)},
         "mlp": {"gate_up": {"kernel": np.concatenate(gate_up, axis=1)},
                 "down": {"kernel": np.ascontiguousarray(_need(t, "mlp.down_proj.weight", (D, F), folder).T)}},
     }
@@ -150,7 +158,7 @@ def _block(t: dict, shape: ModelShape, folder: str) -> dict:
 def _need(tensors: dict, name: str, shape: tuple, folder: str) -> np.ndarray:
     x = tensors.pop(name, None)
     if x is None:
-        raise RunError(f"{folder}: the weights have no tensor {name}; is it a Llama/Mistral/Qwen2/Qwen3 checkpoint?")
+        raise RunError(f"{folder}: the weights have no tensor {name}; is it a Llama/Mistral/Qwen2/Qwen3/Gemma3 checkpoint?")
     if tuple(x.shape) != shape:
         raise RunError(f"{folder}: {name} is {tuple(x.shape)}, config.json implies {shape}")
     return x

@@ -17,14 +17,17 @@ from slm.model.rope import rotary_at
 from slm.model.sizing import ModelShape
 from slm.model.transformer import (
     Dtype,
-    RMSNorm,
     SwiGLU,
     Transformer,
     attend,
     dense,
+    embed_tokens,
     head_weights,
-    project_qkv,
+    norm,
     normed_qk,
+    project_qkv,
+    sandwiched,
+    windowed,
 )
 
 KVCache = list  # one {"k": BxSxGxK, "v": BxSxGxK} per layer: S cache positions, G key/value heads
@@ -45,12 +48,13 @@ class CachedAttention(nn.Module):
 
     shape: ModelShape
     dtype: Dtype
+    layer: int = 0
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array) -> tuple[jax.Array, dict]:
         B, T, D = x_BxTxD.shape
         H, K = self.shape.n_heads, self.shape.head_dim
-        rope = (self.shape.rope_theta, self.shape.rope_scaling)
+        rope = self.shape.rope(self.layer)
         S = cache["k"].shape[1]
         assert T <= S, f"{T} new tokens do not fit a cache of {S} positions"
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
@@ -59,8 +63,9 @@ class CachedAttention(nn.Module):
         q, k = rotary_at(q, start, S, *rope), rotary_at(k, start, S, *rope)
         k_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)
         v_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
-        causal_TxS = (start + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :]
-        out_BxTxHxK = attend(q, k_BxSxGxK, v_BxSxGxK, causal_TxS, self.dtype)
+        q_pos, k_pos = start + jnp.arange(T), jnp.arange(S)
+        causal_TxS = windowed(q_pos[:, None] >= k_pos[None, :], q_pos, k_pos, self.shape.window(self.layer))
+        out_BxTxHxK = attend(q, k_BxSxGxK, v_BxSxGxK, causal_TxS, self.dtype, self.shape.query_scale)
         out_BxTxD = dense(D, "o", self.dtype, out_std)(out_BxTxHxK.reshape(B, T, H * K))
         return out_BxTxD, {"k": k_BxSxGxK, "v": v_BxSxGxK}
 
@@ -68,15 +73,15 @@ class CachedAttention(nn.Module):
 class CachedBlock(nn.Module):
     shape: ModelShape
     dtype: Dtype
+    layer: int = 0
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array) -> tuple[jax.Array, dict]:
-        eps = self.shape.norm_eps
-        attn_BxTxD, cache = CachedAttention(self.shape, self.dtype, name="attn")(
-            RMSNorm(eps, name="attn_norm")(x_BxTxD), cache, start)
-        x_BxTxD = x_BxTxD + attn_BxTxD
-        x_BxTxD = x_BxTxD + SwiGLU(self.shape, self.dtype, name="mlp")(RMSNorm(eps, name="mlp_norm")(x_BxTxD))
-        return x_BxTxD, cache
+        attn_BxTxD, cache = CachedAttention(self.shape, self.dtype, self.layer, name="attn")(
+            norm(self.shape, "attn_norm")(x_BxTxD), cache, start)
+        x_BxTxD = x_BxTxD + sandwiched(self.shape, "post_attn_norm", attn_BxTxD)
+        mlp_BxTxD = SwiGLU(self.shape, self.dtype, name="mlp")(norm(self.shape, "mlp_norm")(x_BxTxD))
+        return x_BxTxD + sandwiched(self.shape, "post_mlp_norm", mlp_BxTxD), cache
 
 
 class CachedTransformer(nn.Module):
@@ -95,14 +100,14 @@ class CachedTransformer(nn.Module):
         embed_VxD = self.param(
             "embed", nn.initializers.normal(0.02), (self.shape.vocab_size, self.shape.d_model), jnp.float32
         )
-        x_BxTxD = jnp.take(embed_VxD, ids_BxT, axis=0).astype(self.dtype)
+        x_BxTxD = embed_tokens(self.shape, embed_VxD, ids_BxT, self.dtype)
         new_cache = []
         for i in range(self.shape.n_layers):
-            x_BxTxD, layer_cache = CachedBlock(self.shape, self.dtype, name=f"block_{i}")(x_BxTxD, cache[i], start)
+            x_BxTxD, layer_cache = CachedBlock(self.shape, self.dtype, i, name=f"block_{i}")(x_BxTxD, cache[i], start)
             new_cache.append(layer_cache)
         if last is not None:
             x_BxTxD = jax.lax.dynamic_slice_in_dim(x_BxTxD, last, 1, axis=1)
-        x_BxTxD = RMSNorm(self.shape.norm_eps, name="final_norm")(x_BxTxD)
+        x_BxTxD = norm(self.shape, "final_norm")(x_BxTxD)
         head_VxD = head_weights(self, embed_VxD).astype(self.dtype)
         logits_BxTxV = jnp.einsum("bld,vd->blv", x_BxTxD, head_VxD, preferred_element_type=jnp.float32)
         return logits_BxTxV, new_cache

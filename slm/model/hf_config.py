@@ -11,7 +11,7 @@ from slm.errors import RunError
 from slm.model.sizing import ModelShape
 
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3"}
+            "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
 
 # The rope scalings slm.model.rope computes, with their parameters in the order of its scaling tuple.
 SCALING_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -23,18 +23,57 @@ def shape_from_hf_config(cfg: dict, where: str = "config.json") -> ModelShape:
     arch = (cfg.get("architectures") or [None])[0]
     if arch not in FAMILIES:
         raise RunError(f"{where}: architecture {arch!r} is not supported; use one of {', '.join(FAMILIES)}")
-    refuse_unsupported(cfg, where)
+    family = FAMILIES[arch]
+    if family == "gemma3":
+        fields = gemma3_fields(cfg, where)
+    else:
+        refuse_unsupported(cfg, where)
+        fields = dict(qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias")), rope_theta=rope_theta(cfg),
+                      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qk_norm=family == "qwen3",
+                      rope_scaling=rope_scaling(cfg, where))
     D, H = cfg["hidden_size"], cfg["num_attention_heads"]
     head = cfg.get("head_dim") or D // H
-    return ModelShape(
-        vocab_size=cfg["vocab_size"], n_layers=cfg["num_hidden_layers"], d_model=D, n_heads=H,
-        d_ff=cfg["intermediate_size"], n_kv_heads=cfg.get("num_key_value_heads") or H,
-        head_size=None if head * H == D else head,
-        qkv_bias=FAMILIES[arch] == "qwen2" or bool(cfg.get("attention_bias")),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_theta=rope_theta(cfg),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), qk_norm=FAMILIES[arch] == "qwen3",
-        rope_scaling=rope_scaling(cfg, where),
-    )
+    return ModelShape(vocab_size=cfg["vocab_size"], n_layers=cfg["num_hidden_layers"], d_model=D, n_heads=H,
+                      d_ff=cfg["intermediate_size"], n_kv_heads=cfg.get("num_key_value_heads") or H,
+                      head_size=None if head * H == D else head, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                      **fields)
+
+
+def gemma3_fields(cfg: dict, where: str) -> dict:
+    """Gemma 3's block: (1 + w) norms, sandwich norms, embeddings x sqrt(hidden), GeGLU (tanh), q/k norms, a
+    query scale, sliding-window layers with their own rope theta, in either config layout (the hub's
+    `sliding_window_pattern` + `rope_local_base_freq`, or transformers 5's `layer_types` + per-type
+    `rope_parameters`). Soft-capping, bidirectional attention and other activations are refused."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise RunError(f"{where}: {key} {cfg[key]} is not supported (Gemma 3 has none; Gemma 2 does)")
+    if cfg.get("use_bidirectional_attention"):
+        raise RunError(f"{where}: use_bidirectional_attention is not supported (this model is causal)")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise RunError(f"{where}: hidden_activation {act!r} is not supported (Gemma 3's is gelu_pytorch_tanh)")
+    if cfg.get("attention_dropout") or cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise RunError(f"{where}: attention_dropout, attention_bias and mlp_bias are not supported; set them off")
+    n, window = cfg["num_hidden_layers"], int(cfg.get("sliding_window") or 0)
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                       for i in range(n)]
+    if set(types) - {"full_attention", "sliding_attention"} or len(types) != n:
+        raise RunError(f"{where}: layer_types {sorted(set(types))} (for {len(types)} of {n} layers) not supported")
+    per_type = cfg.get("rope_parameters") if "full_attention" in (cfg.get("rope_parameters") or {}) else None
+    if per_type:  # transformers 5: {"full_attention": {...}, "sliding_attention": {...}}
+        full, local = per_type["full_attention"], per_type.get("sliding_attention") or {}
+        if (local.get("rope_type") or "default") != "default":
+            raise RunError(f"{where}: rope scaling {local['rope_type']!r} on the sliding layers is not supported")
+        theta, local_theta = float(full.get("rope_theta", 1e6)), float(local.get("rope_theta", 10000.0))
+        scaling = rope_scaling({"rope_parameters": full}, where)
+    else:  # the hub's layout
+        theta, local_theta = float(cfg.get("rope_theta") or 1e6), float(cfg.get("rope_local_base_freq") or 10000.0)
+        scaling = rope_scaling({"rope_scaling": cfg.get("rope_scaling")}, where)
+    return dict(tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), rope_theta=theta, qk_norm=True,
+                rope_scaling=scaling, norm_plus_one=True, sandwich_norms=True, embed_scale=True, mlp_act="gelu_tanh",
+                query_scale=float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5, rope_local_theta=local_theta,
+                layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types))
 
 
 def rope_settings(cfg: dict) -> dict:
@@ -96,6 +135,6 @@ def attention_window(cfg: dict) -> int | None:
     or None. Full causal attention equals it while the sequence fits in the window: the trainer refuses a
     longer --seq-len rather than attend differently from the model's training."""
     window = cfg.get("sliding_window")
-    if not window or cfg.get("use_sliding_window") is False:
-        return None
+    if not window or cfg.get("use_sliding_window") is False or "Gemma3ForCausalLM" in (cfg.get("architectures") or []):
+        return None  # (Gemma 3's sliding layers are computed as such)
     return int(window)

@@ -52,10 +52,29 @@ class ModelShape:
     norm_eps: float = 1e-6
     qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotation (Qwen3)
     rope_scaling: tuple | None = None  # slm.model.rope's scaling tuple (Llama 3.x's llama3), None: plain RoPE
+    # Gemma 3's block (all off elsewhere):
+    norm_plus_one: bool = False  # every RMSNorm scales by (1 + w)
+    sandwich_norms: bool = False  # a norm on the attention's and the MLP's outputs, before each residual add
+    embed_scale: bool = False  # the embeddings times sqrt(d_model)
+    mlp_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    query_scale: float | None = None  # the attention logits' scale (None: head_dim ** -0.5)
+    layer_windows: tuple | None = None  # per layer, its sliding window (0: attends over the whole context)
+    rope_local_theta: float | None = None  # the rope theta of sliding-window layers (None: rope_theta)
 
-    def __post_init__(self) -> None:  # config.json gives the scaling back as a list
-        if isinstance(self.rope_scaling, list):
-            object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))
+    def __post_init__(self) -> None:  # config.json gives tuples back as lists
+        for name in ("rope_scaling", "layer_windows"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window, 0 for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def rope(self, layer: int) -> tuple[float, tuple | None]:
+        """(theta, scaling) of layer `layer`'s rotary embedding: a sliding layer's local theta, unscaled."""
+        if self.window(layer) and self.rope_local_theta is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
 
     @property
     def head_dim(self) -> int:
@@ -75,7 +94,7 @@ def count_params(shape: ModelShape) -> int:
     V, L, D, F = shape.vocab_size, shape.n_layers, shape.d_model, shape.d_ff
     qkv = (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim
     attn = D * qkv + shape.n_heads * shape.head_dim * D + (qkv if shape.qkv_bias else 0)
-    norms = 2 * D + (2 * shape.head_dim if shape.qk_norm else 0)
+    norms = (4 if shape.sandwich_norms else 2) * D + (2 * shape.head_dim if shape.qk_norm else 0)
     return V * D * (1 if shape.tie_embeddings else 2) + L * (attn + 3 * D * F + norms) + D
 
 

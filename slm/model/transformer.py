@@ -33,13 +33,36 @@ Dtype = Any
 
 class RMSNorm(nn.Module):
     eps: float = 1e-6
+    plus_one: bool = False  # Gemma: scale by (1 + w), w initialised to zero
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        scale_D = self.param("scale", nn.initializers.ones, (x_BxLxD.shape[-1],), jnp.float32)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale_D = self.param("scale", init, (x_BxLxD.shape[-1],), jnp.float32)
         x = x_BxLxD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * scale_D).astype(x_BxLxD.dtype)
+        return (x * (1.0 + scale_D if self.plus_one else scale_D)).astype(x_BxLxD.dtype)
+
+
+def norm(shape: ModelShape, name: str) -> RMSNorm:
+    return RMSNorm(shape.norm_eps, shape.norm_plus_one, name=name)
+
+
+def embed_tokens(shape: ModelShape, embed_VxD: jax.Array, ids_BxL: jax.Array, dtype: Dtype) -> jax.Array:
+    """The ids' embeddings in `dtype`; Gemma's scaled by sqrt(d_model) (a float32 constant, as transformers')."""
+    x = jnp.take(embed_VxD, ids_BxL, axis=0)
+    if shape.embed_scale:
+        x = x * jnp.asarray(shape.d_model ** 0.5, x.dtype)
+    return x.astype(dtype)
+
+
+def windowed(mask: jax.Array, q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
+    """`mask` also hiding keys `window` or more positions behind their query (a sliding-window layer)."""
+    return mask & (q_pos[..., :, None] - k_pos[..., None, :] < window) if window else mask
+
+
+def gated_act(shape: ModelShape, gate: jax.Array) -> jax.Array:
+    return jax.nn.gelu(gate, approximate=True) if shape.mlp_act == "gelu_tanh" else nn.silu(gate)
 
 
 def document_layout(ids_BxL: jax.Array, start_id: int) -> tuple[jax.Array, jax.Array]:
@@ -106,25 +129,27 @@ def normed_qk(shape: ModelShape, q: jax.Array, k: jax.Array) -> tuple[jax.Array,
     before the rotation; q and k unchanged for the other families."""
     if not shape.qk_norm:
         return q, k
-    return RMSNorm(shape.norm_eps, name="q_norm")(q), RMSNorm(shape.norm_eps, name="k_norm")(k)
+    return norm(shape, "q_norm")(q), norm(shape, "k_norm")(k)
 
 
 def attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mask_LxS: jax.Array,
-           dtype: Dtype) -> jax.Array:
-    """Scaled dot-product attention under a boolean mask -> (B, L, H, K). With G < H key/value heads each
-    serves H/G consecutive query heads (transformers' repeat_kv order), without materialising copies."""
+           dtype: Dtype, scale: float | None = None) -> jax.Array:
+    """Scaled dot-product attention under a boolean mask -> (B, L, H, K), logits times `scale` (default
+    K^-0.5). With G < H key/value heads each serves H/G consecutive query heads (transformers' repeat_kv
+    order), without materialising copies."""
     B, L, H, K = q_BxLxHxK.shape
+    scale = K ** -0.5 if scale is None else scale
     G = k_BxSxGxK.shape[2]
     if mask_LxS.ndim == 3:  # per row (B, L, S): document masking
         mask_LxS = mask_LxS[:, None] if G == H else mask_LxS[:, None, None]
     if G == H:
         logits_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxSxGxK, preferred_element_type=jnp.float32)
-        logits_BxHxLxS = jnp.where(mask_LxS, logits_BxHxLxS * (K ** -0.5), jnp.finfo(jnp.float32).min)
+        logits_BxHxLxS = jnp.where(mask_LxS, logits_BxHxLxS * scale, jnp.finfo(jnp.float32).min)
         probs_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1).astype(dtype)
         return jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxS, v_BxSxGxK)
     q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
     logits = jnp.einsum("bqgrk,bsgk->bgrqs", q_BxLxGxRxK, k_BxSxGxK, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask_LxS, logits * (K ** -0.5), jnp.finfo(jnp.float32).min)
+    logits = jnp.where(mask_LxS, logits * scale, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
     return jnp.einsum("bgrqs,bsgk->bqgrk", probs, v_BxSxGxK).reshape(B, L, H, K)
 
@@ -143,13 +168,13 @@ class Attention(nn.Module):
     lora: LoraSpec | None = None
     matmul: str = "float32"  # the projections' product precision (slm.model.matmul)
     nf4: bool = False  # the frozen base's kernels as NF4 codes (NF4Dense)
+    layer: int = 0  # its index: Gemma 3's sliding-window layers differ from its global ones
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         H, K = self.shape.n_heads, self.shape.head_dim
-        rope = (self.shape.rope_theta, self.shape.rope_scaling)
-        out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
+        rope, window = self.shape.rope(self.layer), self.shape.window(self.layer)
         q, k, v = project_qkv(self.shape, self.dtype, x_BxLxD, self, self.lora, self.matmul, self.nf4)
         q, k = normed_qk(self.shape, q, k)
         if layout is None:  # one causal sequence
@@ -157,12 +182,14 @@ class Attention(nn.Module):
         else:  # packed documents kept apart (document_layout)
             pos_BxL, mask = layout
             q, k = rotary_positions(q, pos_BxL, *rope), rotary_positions(k, pos_BxL, *rope)
-        if layout is None and fused_attention_fits(self.dtype):
-            out_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        if layout is None and not window and fused_attention_fits(self.dtype):
+            out_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=self.shape.query_scale,
+                                                       implementation="cudnn")
         else:
-            out_BxLxHxK = attend(q, k, v, mask, self.dtype)
+            index_L = jnp.arange(L)
+            out_BxLxHxK = attend(q, k, v, windowed(mask, index_L, index_L, window), self.dtype, self.shape.query_scale)
         out_BxLxHK = out_BxLxHxK.reshape(B, L, H * K)
-        o = dense(D, "o", self.dtype, out_std, matmul=self.matmul, nf4=self.nf4)
+        o = dense(D, "o", self.dtype, 0.02 / (2 * self.shape.n_layers) ** 0.5, matmul=self.matmul, nf4=self.nf4)
         return adapted(self, self.lora, o(out_BxLxHK), out_BxLxHK, "o")
 
 
@@ -180,7 +207,7 @@ class SwiGLU(nn.Module):
         gate_up = dense(2 * F, "gate_up", self.dtype, 0.02, matmul=self.matmul, nf4=self.nf4)
         gate_up_BxLx2F = adapted(self, self.lora, gate_up(x_BxLxD), x_BxLxD, "gate_up")
         gate, up = jnp.split(gate_up_BxLx2F, 2, axis=-1)
-        h_BxLxF = nn.silu(gate) * up
+        h_BxLxF = gated_act(self.shape, gate) * up
         down = dense(self.shape.d_model, "down", self.dtype, out_std, matmul=self.matmul, nf4=self.nf4)
         return adapted(self, self.lora, down(h_BxLxF), h_BxLxF, "down")
 
@@ -234,15 +261,21 @@ class Block(nn.Module):
     matmul: str = "float32"
     dropout: float = 0.0  # on each residual branch's output (GPT-2's resid_pdrop)
     nf4: bool = False
+    layer: int = 0
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-        eps = self.shape.norm_eps
-        attn = Attention(self.shape, self.dtype, self.lora, self.matmul, self.nf4, name="attn")
+        attn = Attention(self.shape, self.dtype, self.lora, self.matmul, self.nf4, self.layer, name="attn")
         mlp = SwiGLU(self.shape, self.dtype, self.lora, self.matmul, self.nf4, name="mlp")
-        x_BxLxD = x_BxLxD + dropout(self, self.dropout, attn(RMSNorm(eps, name="attn_norm")(x_BxLxD), layout))
-        x_BxLxD = x_BxLxD + dropout(self, self.dropout, mlp(RMSNorm(eps, name="mlp_norm")(x_BxLxD)))
-        return x_BxLxD
+        attn_BxLxD = attn(norm(self.shape, "attn_norm")(x_BxLxD), layout)
+        x_BxLxD = x_BxLxD + dropout(self, self.dropout, sandwiched(self.shape, "post_attn_norm", attn_BxLxD))
+        mlp_BxLxD = mlp(norm(self.shape, "mlp_norm")(x_BxLxD))
+        return x_BxLxD + dropout(self, self.dropout, sandwiched(self.shape, "post_mlp_norm", mlp_BxLxD))
+
+
+def sandwiched(shape: ModelShape, name: str, y: jax.Array) -> jax.Array:
+    """A branch's output, normed before its residual add when the shape has sandwich norms (Gemma)."""
+    return norm(shape, name)(y) if shape.sandwich_norms else y
 
 
 class Transformer(nn.Module):
@@ -264,13 +297,14 @@ class Transformer(nn.Module):
         embed_VxD = self.param(
             "embed", nn.initializers.normal(0.02), (self.shape.vocab_size, self.shape.d_model), jnp.float32
         )
-        x_BxLxD = dropout(self, self.dropout, jnp.take(embed_VxD, ids_BxL, axis=0).astype(self.dtype))
+        x_BxLxD = dropout(self, self.dropout, embed_tokens(self.shape, embed_VxD, ids_BxL, self.dtype))
         layout = None if self.doc_start is None else document_layout(ids_BxL, self.doc_start)
         block_cls = nn.remat(Block, prevent_cse=True) if self.remat else Block
         for i in range(self.shape.n_layers):
-            x_BxLxD = block_cls(self.shape, self.dtype, self.lora, self.matmul, self.dropout, self.nf4, name=f"block_{i}")(
+            x_BxLxD = block_cls(self.shape, self.dtype, self.lora, self.matmul, self.dropout, self.nf4, i,
+                                name=f"block_{i}")(
                 x_BxLxD, layout)
-        x_BxLxD = RMSNorm(self.shape.norm_eps, name="final_norm")(x_BxLxD)
+        x_BxLxD = norm(self.shape, "final_norm")(x_BxLxD)
         head_VxD = head_weights(self, embed_VxD)
         if features:
             return x_BxLxD, head_VxD

@@ -29,7 +29,7 @@ TOL = 1e-4
 def test_logits_and_greedy_generation_match_transformers(family, tmp_path):
     hf = save_tiny(family, tmp_path / "hf")
     shape, params, _ = load_hf_folder(str(tmp_path / "hf"))
-    assert shape.kv_heads == 2 and shape.qkv_bias == (family == "qwen2") and shape.qk_norm == (family == "qwen3")
+    assert shape.kv_heads == 2 and shape.qkv_bias == (family == "qwen2") and shape.qk_norm == (family in ("qwen3", "gemma3"))
     assert count_params(shape) == sum(p.numel() for p in hf.parameters())
     assert shape.tie_embeddings == FAMILIES[family]["tie_word_embeddings"]
     assert sum(p.numel() for p in hf.parameters()) == sum(x.size for x in _leaves(params))
