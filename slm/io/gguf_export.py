@@ -106,6 +106,20 @@ def permute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(heads, 2, K // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
+def gguf_arch(shape: ModelShape) -> str:
+    """llama.cpp's architecture for the shape (qwen3: q/k norms, neox rope; gemma3: its block), or an ExportError
+    for a Gemma 3 llama.cpp would compute differently: its gemma3 graph fixes the sliding pattern (5 local
+    layers, then a global one), the local rope theta (10,000) and the query scale (1/sqrt(head_dim))."""
+    if not shape.sandwich_norms:
+        return "qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else "llama"
+    pattern = tuple(0 if (i + 1) % 6 == 0 else 1 for i in range(shape.n_layers))
+    if (tuple(bool(shape.window(i)) for i in range(shape.n_layers)) != tuple(map(bool, pattern))
+            or shape.rope_local_theta != 10000.0 or abs(shape.query_scale * shape.head_dim ** 0.5 - 1) > 1e-6):
+        raise ExportError("this Gemma 3 differs from llama.cpp's gemma3 (5 sliding layers then a global one, local "
+                          "rope theta 10000, query_pre_attn_scalar = head_dim); export it with --format hf")
+    return "gemma3"
+
+
 def gguf_tensors(params: Mapping[str, Any], shape: ModelShape, arch: str) -> dict[str, np.ndarray]:
     """GGUF name -> float32 array (torch (out, in) layout; q/k rows reordered for `llama`)."""
     import gguf
@@ -119,6 +133,8 @@ def gguf_tensors(params: Mapping[str, Any], shape: ModelShape, arch: str) -> dic
             raise ExportError(f"no GGUF name for {hf_name} in architecture {arch}")
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             x = permute_rope_rows(x, shape.n_heads if "q_proj" in hf_name else shape.kv_heads)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            x = x + 1.0  # llama.cpp scales by w where Gemma scales by (1 + w), as its converter shifts them
         out[name] = x
     if shape.rope_scaling and shape.rope_scaling[0] == "llama3":
         if arch != "llama":
@@ -174,6 +190,8 @@ def _write_metadata(w: Any, shape: ModelShape, arch: str, max_positions: int, gg
 
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(shape.rope_scaling[1]))
+    if shape.sandwich_norms:
+        w.add_sliding_window(max(shape.layer_windows or (0,)))
     if shape.head_dim * shape.n_heads != shape.d_model:  # llama.cpp's default is d_model / heads
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
@@ -204,7 +222,7 @@ def write_gguf(path: str, params: Mapping[str, Any], shape: ModelShape, max_posi
 
     if gguf_type not in GGUF_TYPES:
         raise ExportError(f"--gguf-type {gguf_type}: choose one of {', '.join(GGUF_TYPES)}")
-    arch = "qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else "llama"  # qwen3: q/k norms, neox rope
+    arch = gguf_arch(shape)
     tensors = gguf_tensors(params, shape, arch)  # before the file: a mapping error leaves nothing behind
 
     def write(tmp: str) -> None:

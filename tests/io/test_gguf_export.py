@@ -202,3 +202,36 @@ def test_rope_scaling_written_as_llama_cpp_reads_it(scaling, tmp_path):
         assert "rope_freqs.weight" not in tensors
         assert bytes(reader.fields["llama.rope.scaling.type"].parts[-1]).decode() == "linear"
         assert reader.fields["llama.rope.scaling.factor"].contents() == 4.0
+
+
+def test_gemma3_through_transformers_gguf_reader(tmp_path):
+    """Gemma 3 as llama.cpp's gemma3: norms shifted by +1 (llama.cpp scales by w, Gemma by 1 + w), the sliding
+    window in the metadata, 5 sliding layers then a global one; transformers' reader (which shifts them back)
+    gives our logits. A Gemma 3 llama.cpp would compute differently is refused in one line."""
+    import transformers
+    from hf_tiny import save_tiny
+
+    from slm.io.hf_import import load_hf_folder
+
+    config = transformers.Gemma3TextConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                           query_pre_attn_scalar=256, sliding_window=8, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config)
+    with torch.no_grad():  # norms off their zero init, so the +1 shift has teeth
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    model.save_pretrained(str(tmp_path / "hf"))
+    shape, params, _ = load_hf_folder(str(tmp_path / "hf"))
+    assert shape.layer_windows == (8, 8, 8, 8, 8, 0)
+    tok = train_bpe(DOCS, 300)
+    ids = np.random.default_rng(1).integers(0, shape.vocab_size, (2, 23))
+    ours = np.asarray(Transformer(shape).apply({"params": params}, jnp.asarray(ids, jnp.int32)))
+    assert gguf_export.write_gguf(str(tmp_path / "g.gguf"), params, shape, 64, tok, special_ids(tok), "f32") == "gemma3"
+    assert np.abs(_gguf_logits(str(tmp_path / "g.gguf"), ids) - ours).max() < 1e-4
+
+    save_tiny("gemma3", tmp_path / "other")  # every 3rd layer global, query_pre_attn_scalar 24
+    other, other_params, _ = load_hf_folder(str(tmp_path / "other"))
+    with pytest.raises(ExportError, match="differs from llama.cpp's gemma3"):
+        gguf_export.write_gguf(str(tmp_path / "o.gguf"), other_params, other, 64, tok, special_ids(tok), "f32")

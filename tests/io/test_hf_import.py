@@ -169,3 +169,34 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused(tmp_path, data_di
         train(Config(init_from=str(tmp_path / "hf"), tokenizer=None, dataset_id=str(data_dir / "tinyshakespeare.txt"),
                      use_streaming=True, seq_len=64, batch_size=2, max_steps=1, output_dir=str(tmp_path / "run")),
               log=lambda *_: None)
+
+
+def test_gemma3_in_both_config_layouts(tmp_path):
+    """Gemma 3's config as transformers 5 saves it (layer_types, per-type rope_parameters) and as the hub has it
+    (sliding_window_pattern, rope_theta + rope_local_base_freq, rope_scaling): the same shape and logits; and
+    what this model cannot compute (soft-capping, another activation) is refused in one line."""
+    hf = save_tiny("gemma3", tmp_path / "new")
+    saved = json.loads((tmp_path / "new" / "config.json").read_text())
+    assert "layer_types" in saved and "full_attention" in saved["rope_parameters"]
+    old = {k: v for k, v in saved.items() if k not in ("layer_types", "rope_parameters", "_sliding_window_pattern")}
+    old.update(sliding_window_pattern=3, rope_theta=saved["rope_parameters"]["full_attention"]["rope_theta"],
+               rope_local_base_freq=saved["rope_parameters"]["sliding_attention"]["rope_theta"], rope_scaling=None)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps(old))
+    (tmp_path / "old" / "model.safetensors").symlink_to(tmp_path / "new" / "model.safetensors")
+    ids = np.random.default_rng(0).integers(0, 128, (1, 20))
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(ids)).logits.numpy()
+    shapes = []
+    for layout in ("new", "old"):
+        shape, params, _ = load_hf_folder(str(tmp_path / layout))
+        ours = np.asarray(Transformer(shape).apply({"params": params}, jnp.asarray(ids, jnp.int32)))
+        assert np.abs(ours - theirs).max() < TOL, layout
+        shapes.append(shape)
+    assert shapes[0] == shapes[1] and shapes[0].layer_windows == (8, 8, 0) and shapes[0].rope_local_theta == 1e4
+    from slm.model.hf_config import shape_from_hf_config
+
+    for key, value, says in [("final_logit_softcapping", 30.0, "final_logit_softcapping 30.0"),
+                             ("hidden_activation", "gelu", "hidden_activation 'gelu'")]:
+        with pytest.raises(RunError, match=f"^config.json: {says}"):
+            shape_from_hf_config({**saved, key: value})

@@ -30,10 +30,10 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 VOCAB = 300
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "gemma3"])
 def lora_run(request, tmp_path_factory, data_dir):
-    """A tiny Qwen2 folder saved by transformers (GQA 4/2, q/k/v biases, tied), or a Qwen3 one (q/k norms,
-    head_dim 32), and a 3-step LoRA run on it with adapters on all seven projections (rank 4, alpha 8: scale
+    """A tiny Qwen2 folder saved by transformers (GQA 4/2, q/k/v biases, tied), a Qwen3 one (q/k norms,
+    head_dim 32) or a Gemma 3 one (tests/hf_tiny.py: 3 layers, sliding windows), and a 3-step LoRA run on it with adapters on all seven projections (rank 4, alpha 8: scale
     2), trained hard enough to move the logits."""
     root = tmp_path_factory.mktemp(f"peft-{request.param}")
     save_tiny(request.param, root / "base", vocab_size=VOCAB, tokenizer=train_bpe(DOCS, VOCAB))
@@ -65,7 +65,8 @@ def test_peft_adapter_loads_on_the_base_with_the_merged_logits(lora_run, tmp_pat
     from transformers import AutoModelForCausalLM
 
     base_dir, run, family = lora_run
-    head = 32 if family == "qwen3" else 16
+    head = 32 if family in ("qwen3", "gemma3") else 16
+    layers = 3 if family == "gemma3" else 2
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
     proc = _cli("--run", str(run), "--out", str(adapter), "--format", "peft")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -78,7 +79,7 @@ def test_peft_adapter_loads_on_the_base_with_the_merged_logits(lora_run, tmp_pat
     from safetensors.numpy import load_file
 
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
-    assert len(tensors) == 2 * 2 * len(TARGETS)  # 2 layers, A and B per target
+    assert len(tensors) == layers * 2 * len(TARGETS)  # A and B per target per layer
     assert tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"].shape == (4, 64)
     assert tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"].shape == (2 * head, 4)  # 2 kv heads
     assert tensors["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (4, 96)
@@ -110,6 +111,9 @@ def test_lora_run_as_merged_gguf(lora_run, tmp_path):
     _, run, family = lora_run
     merged, path = tmp_path / "merged", tmp_path / "gguf" / "tiny.gguf"
     assert export_main(["--run", str(run), "--out", str(merged)]) == 0
+    if family == "gemma3":  # every 3rd layer global: not llama.cpp's gemma3 (test_gguf_export.py has one that is)
+        assert export_main(["--run", str(run), "--out", str(path), "--format", "gguf"]) == 2
+        return
     assert export_main(["--run", str(run), "--out", str(path), "--format", "gguf"]) == 0
     if family == "qwen3":  # transformers' GGUF reader ignores qwen3's attention.key_length (llama.cpp reads it),
         import gguf  # so it cannot build a head_dim 32 model: check the file itself
