@@ -73,6 +73,7 @@ from slm.memory.finetune import (
     GPU_RUNTIME_MB,
     Finetune,
     backward_bytes,
+    fsdp_gathered_bytes,
     lora_breakdown,
     model_shape,
 )
@@ -185,7 +186,8 @@ def device_breakdown(
         for key in ("params", "base_params", "optimizer_state", "accumulation", "update"):
             if key in out:
                 out[key] //= devices
-        out["gathered_params"] = out.get("base_params", 0) * devices or 4 * n
+        out["gathered_params"] = (fsdp_gathered_bytes(shape, finetune.base_dtype, out["base_casts"], devices) if lora
+                                  else 4 * n)
     phases = ("activations", "logits", "base_casts", "update")
     backward = out["activations"] + out["logits"] + out.get("base_casts", 0)
     out["total"] = sum(v for k, v in out.items() if k not in phases) + max(backward, out["update"])

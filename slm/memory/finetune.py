@@ -155,6 +155,15 @@ def base_param_bytes(shape: ModelShape, base_dtype: str) -> int:
     return int(shape.n_layers * block * NF4_BYTES) + 2 * matrices + 4 * rest
 
 
+def fsdp_gathered_bytes(shape: ModelShape, base_dtype: str, casts: int, devices: int) -> int:
+    """A LoRA step with its base split over `devices` (FSDP) on XLA:CPU: one block's base gathered at a time,
+    plus the casts' own shard (each device casts its slice before the gather). Fitted to XLA at abstract
+    shapes, 8 host devices: TinyLlama and Mistral-7B, bf16 and nf4 bases (docs/memory.md)."""
+    block, _ = matmul_weights(shape)
+    per_weight = NF4_BYTES if base_dtype == "nf4" else DTYPE_BYTES[base_dtype]
+    return int(block * per_weight) + casts // devices
+
+
 def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, remat: bool, platform: str,
                     chunked_loss: bool = False) -> int:
     """Bytes of compute-dtype copies of base weights the step holds at its peak (module docstring). A chunked
