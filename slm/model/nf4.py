@@ -38,17 +38,23 @@ def blocks_of(n_in: int, n_out: int) -> int:
     return -(-(n_in * n_out) // BLOCK)
 
 
-def quantize(kernel_IxO: np.ndarray) -> dict[str, np.ndarray]:
-    """A kernel (in, out) -> {"nf4_codes": uint8 (blocks * 32,), "nf4_absmax": float32 (blocks,)}."""
-    flat = np.ascontiguousarray(np.asarray(kernel_IxO, np.float32).T).reshape(-1)
+def quantize(kernel_IxO: np.ndarray, chunk: int = 1 << 14) -> dict[str, np.ndarray]:
+    """A kernel (in, out) -> {"nf4_codes": uint8 (blocks * 32,), "nf4_absmax": float32 (blocks,)}, `chunk` blocks
+    at a time so the float32 and index temporaries stay a few MB whatever the kernel's size."""
+    flat = np.ascontiguousarray(np.asarray(kernel_IxO).T).reshape(-1)  # (out, in) row-major, in its own dtype
     n_blocks = blocks_of(*kernel_IxO.shape)
-    blocks = np.zeros(n_blocks * BLOCK, np.float32)
-    blocks[: flat.size] = flat
-    blocks = blocks.reshape(n_blocks, BLOCK)
-    absmax = np.abs(blocks).max(axis=1)
-    scaled = blocks / np.where(absmax > 0, absmax, 1.0)[:, None]
-    codes = np.searchsorted(_MIDPOINTS, scaled).astype(np.uint8).reshape(-1)  # the nearest level's index
-    return {"nf4_codes": (codes[0::2] << 4) | codes[1::2], "nf4_absmax": absmax}
+    codes, absmax = np.empty(n_blocks * BLOCK // 2, np.uint8), np.empty(n_blocks, np.float32)
+    for b0 in range(0, n_blocks, chunk):
+        b1 = min(b0 + chunk, n_blocks)
+        blocks = np.zeros((b1 - b0) * BLOCK, np.float32)
+        part = flat[b0 * BLOCK: b1 * BLOCK]
+        blocks[: part.size] = part
+        blocks = blocks.reshape(-1, BLOCK)
+        absmax[b0:b1] = np.abs(blocks).max(axis=1)
+        scaled = blocks / np.where(absmax[b0:b1] > 0, absmax[b0:b1], 1.0)[:, None]
+        idx = np.searchsorted(_MIDPOINTS, scaled).astype(np.uint8).reshape(-1)  # the nearest level's index
+        codes[b0 * BLOCK // 2: b1 * BLOCK // 2] = (idx[0::2] << 4) | idx[1::2]
+    return {"nf4_codes": codes, "nf4_absmax": absmax}
 
 
 def dequantize_rows(codes: jax.Array, absmax: jax.Array, n_in: int, n_out: int, dtype: Any,

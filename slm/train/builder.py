@@ -249,8 +249,8 @@ def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True,
 
     from slm.model.nf4 import quantize_block, quantize_params
 
-    nf4 = dtype == "nf4"  # read in float32, each block's kernels quantized as the block is assembled
-    target = np.dtype(jnp.dtype("float32" if nf4 else dtype))
+    nf4 = dtype == "nf4"  # read in bfloat16 (what it holds of the rest), each block's kernels quantized as assembled
+    target = np.dtype(jnp.dtype("bfloat16" if nf4 else dtype))
     digest = hashlib.sha256()
 
     def place(x: np.ndarray) -> Any:
