@@ -136,9 +136,9 @@ def held_dtype(dtype: Any, ndim: int, base_dtype: str) -> Any:
     (uint8) and absmax (float32, as any vector: norms, biases), and the other matrices (embedding, head) bfloat16."""
     if base_dtype != "nf4":
         return jnp.dtype(base_dtype)
-    if jnp.dtype(dtype) == jnp.uint8 or ndim != 2:
-        return jnp.dtype(dtype)
-    return jnp.dtype(jnp.bfloat16)
+    if jnp.dtype(dtype) == jnp.uint8:
+        return jnp.dtype(jnp.uint8)
+    return jnp.dtype(jnp.bfloat16 if ndim == 2 else jnp.float32)
 
 
 def shares_muon_work(spec: StepSpec, mesh: Any) -> bool:
