@@ -1,7 +1,7 @@
 """LoRA fine-tuning: this trainer against transformers + peft, side by side in one sitting.
 
     .venv/bin/python bench/vs_peft.py                      # SmolLM2-135M's shape, vocab 8,192: 111M params
-    .venv/bin/python bench/vs_peft.py --steps 25 --ours "--base-dtype bfloat16"
+    .venv/bin/python bench/vs_peft.py --steps 25 --ours "" --ours "--base-dtype bfloat16"   # two rows of ours
 
 The base: ../shared/models/smollm2-135m/config.json (a Llama: 30 layers x 576, 9 heads, 3 KV heads) with its
 vocabulary cut to --vocab (a byte-level BPE of that size trained here on tinyshakespeare), random weights,
@@ -92,12 +92,12 @@ def run_peft(base: str, a: argparse.Namespace, bf16: bool) -> dict:
     return {"median_step_s": median(out["step_s"][a.skip:]), "peak_rss_mb": out["peak_rss_mb"]}
 
 
-def run_ours(base: str, a: argparse.Namespace, scratch: str) -> dict:
-    run = os.path.join(scratch, "ours")
+def run_ours(base: str, a: argparse.Namespace, scratch: str, flags: str = "") -> dict:
+    run = os.path.join(scratch, f"ours-{len(os.listdir(scratch))}")
     cmd = [sys.executable, os.path.join(ROOT, "train_optimized.py"), "--use-streaming", "--dataset-id", DATA,
            "--init-from", base, "--lora-rank", "16", "--lora-alpha", "32", "--seq-len", "256", "--batch-size", "4",
            "--max-steps", str(a.steps), "--log-every", "1", "--eval-every", "1000000000", "--eval-tokens", "1024",
-           "--checkpoint-every", "1000000000", "--output-dir", run, *a.ours.split()]
+           "--checkpoint-every", "1000000000", "--output-dir", run, *flags.split()]
     subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     t = [r["elapsed_s"] for r in rows if "loss" in r]
@@ -111,7 +111,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--ours", default="", help="extra flags for our run (quoted)")
+    p.add_argument("--ours", action="append", default=None,
+                   help="extra flags for our run (quoted); repeat it for several runs of ours, each a row")
     a = p.parse_args()
     scratch = tempfile.mkdtemp(prefix="vs-peft-")
     base = os.path.join(scratch, "base")
@@ -120,9 +121,10 @@ def main() -> None:
 
     print(f"vs transformers + peft, one sitting | {cpu_model()}, {os.cpu_count()} cores | base: SmolLM2-135M's "
           f"shape, vocab {a.vocab:,}: {n / 1e6:.1f}M params, float32 | LoRA r16 alpha 32 on q_proj,v_proj | seq 256 x "
-          f"batch 4 | median of steps {a.skip + 1}-{a.steps}{' | ours ' + a.ours if a.ours else ''}", flush=True)
-    results = {"peft float32": run_peft(base, a, False), "peft bf16 autocast": run_peft(base, a, True),
-               "ours": run_ours(base, a, scratch)}
+          f"batch 4 | median of steps {a.skip + 1}-{a.steps}", flush=True)
+    results = {"peft float32": run_peft(base, a, False), "peft bf16 autocast": run_peft(base, a, True)}
+    for flags in a.ours or [""]:
+        results[f"ours {flags}".strip()] = run_ours(base, a, scratch, flags)
     faster = min(("peft float32", "peft bf16 autocast"), key=lambda k: results[k]["median_step_s"])
     print("| run | median step | tokens/s | peak RSS | speed vs the faster peft | RSS vs it |")
     print("|---|---|---|---|---|---|")
