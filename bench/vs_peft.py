@@ -46,10 +46,11 @@ from transformers import AutoModelForCausalLM
 from peft import LoraConfig, get_peft_model
 
 base, data, steps, seq, batch, bf16 = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
+base_dtype = getattr(torch, sys.argv[7])
 torch.manual_seed(0)
 ids = np.array(Tokenizer.from_file(base + "/tokenizer.json").encode(open(data).read()).ids, dtype=np.int64)
 rows = ids[: len(ids) // (seq + 1) * (seq + 1)].reshape(-1, seq + 1)
-model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(base, dtype=base_dtype)  # peft keeps the adapters float32
 model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
 model.train()
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -68,25 +69,27 @@ print(json.dumps({"step_s": np.diff(ends).tolist(), "peak_rss_mb": resource.getr
 '''
 
 
-def make_base(folder: str, vocab: int) -> int:
-    """A random SmolLM2-135M-shaped Llama with a `vocab`-token BPE, saved by transformers; its parameter count."""
+def make_base(folder: str, vocab: int, config: str = CONFIG) -> int:
+    """A random model of `config`'s shape (default SmolLM2-135M's) with a `vocab`-token BPE, saved by
+    transformers; its parameter count."""
     import torch
     import transformers
 
     from slm.data.tokenizer import train_bpe
 
     tok = train_bpe([open(DATA).read()], vocab)
-    cfg = json.load(open(CONFIG))
+    cfg = json.load(open(config))
     cfg.update(vocab_size=tok.get_vocab_size(), bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
     model.save_pretrained(folder, safe_serialization=True)
     tok.save(os.path.join(folder, "tokenizer.json"))
     return sum(p.numel() for p in model.parameters())
 
 
 def run_peft(base: str, a: argparse.Namespace, bf16: bool) -> dict:
-    r = subprocess.run([sys.executable, "-c", PEFT_RUN, base, DATA, str(a.steps), "256", "4", "1" if bf16 else "0"],
+    r = subprocess.run([sys.executable, "-c", PEFT_RUN, base, DATA, str(a.steps), "256", "4", "1" if bf16 else "0",
+                        a.peft_base_dtype],
                        capture_output=True, text=True, check=True)
     out = json.loads(r.stdout.strip().splitlines()[-1])
     return {"median_step_s": median(out["step_s"][a.skip:]), "peak_rss_mb": out["peak_rss_mb"]}
@@ -111,21 +114,25 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--model", default="smollm2-135m", help="a config folder of ../shared/models (e.g. qwen3-0.6b)")
+    p.add_argument("--peft-base-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the dtype transformers loads the base in (pair it with --ours \"--base-dtype ...\")")
     p.add_argument("--ours", action="append", default=None,
                    help="extra flags for our run (quoted); repeat it for several runs of ours, each a row")
     a = p.parse_args()
     scratch = tempfile.mkdtemp(prefix="vs-peft-")
     base = os.path.join(scratch, "base")
-    n = make_base(base, a.vocab)
+    n = make_base(base, a.vocab, os.path.join(ROOT, "..", "shared", "models", a.model, "config.json"))
     from slm.train.throughput import cpu_model
 
-    print(f"vs transformers + peft, one sitting | {cpu_model()}, {os.cpu_count()} cores | base: SmolLM2-135M's "
-          f"shape, vocab {a.vocab:,}: {n / 1e6:.1f}M params, float32 | LoRA r16 alpha 32 on q_proj,v_proj | seq 256 x "
+    print(f"vs transformers + peft, one sitting | {cpu_model()}, {os.cpu_count()} cores | base: {a.model}'s "
+          f"shape, vocab {a.vocab:,}: {n / 1e6:.1f}M params, peft's in {a.peft_base_dtype} | LoRA r16 alpha 32 on q_proj,v_proj | seq 256 x "
           f"batch 4 | median of steps {a.skip + 1}-{a.steps}", flush=True)
-    results = {"peft float32": run_peft(base, a, False), "peft bf16 autocast": run_peft(base, a, True)}
+    plain = f"peft {a.peft_base_dtype}"  # no autocast: the base's own dtype
+    results = {plain: run_peft(base, a, False), "peft bf16 autocast": run_peft(base, a, True)}
     for flags in a.ours or [""]:
         results[f"ours {flags}".strip()] = run_ours(base, a, scratch, flags)
-    faster = min(("peft float32", "peft bf16 autocast"), key=lambda k: results[k]["median_step_s"])
+    faster = min((plain, "peft bf16 autocast"), key=lambda k: results[k]["median_step_s"])
     print("| run | median step | tokens/s | peak RSS | speed vs the faster peft | RSS vs it |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
