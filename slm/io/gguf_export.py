@@ -41,7 +41,7 @@ import numpy as np
 from slm.data.tokenizer import SpecialIds
 from slm.errors import ExportError
 from slm.io.atomic import write_atomically
-from slm.io.hf_export import hf_state_dict
+from slm.io.hf_export import export_family, hf_state_dict
 from slm.model.sizing import ModelShape
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
@@ -110,8 +110,9 @@ def gguf_arch(shape: ModelShape) -> str:
     """llama.cpp's architecture for the shape (qwen3: q/k norms, neox rope; gemma3: its block), or an ExportError
     for a Gemma 3 llama.cpp would compute differently: its gemma3 graph fixes the sliding pattern (5 local
     layers, then a global one), the local rope theta (10,000) and the query scale (1/sqrt(head_dim))."""
-    if not shape.sandwich_norms:
-        return "qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else "llama"
+    family = export_family(shape)
+    if family != "gemma3":
+        return family
     pattern = tuple(0 if (i + 1) % 6 == 0 else 1 for i in range(shape.n_layers))
     if (tuple(bool(shape.window(i)) for i in range(shape.n_layers)) != tuple(map(bool, pattern))
             or shape.rope_local_theta != 10000.0 or abs(shape.query_scale * shape.head_dim ** 0.5 - 1) > 1e-6):

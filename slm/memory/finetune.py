@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from slm.errors import ConfigError
 from slm.model.hf_config import shape_from_hf_config
@@ -50,6 +50,7 @@ from slm.model.sizing import (
     ModelShape,
     adam_state_bytes,
     count_params,
+    hidden_matrix_shapes,
     logit_columns,
     lora_param_shapes,
 )
@@ -139,8 +140,7 @@ def matmul_weights(shape: ModelShape) -> tuple[int, int]:
 
 def largest_kernel(shape: ModelShape) -> int:
     """Weights of a block's largest matmul kernel (the fused gate/up, or the fused q/k/v)."""
-    qkv = (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim
-    return shape.d_model * max(2 * shape.d_ff, qkv)
+    return max(i * o for i, o in hidden_matrix_shapes(shape)[:4])
 
 
 def base_param_bytes(shape: ModelShape, base_dtype: str) -> int:
@@ -171,7 +171,7 @@ def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, r
     copy of the whole head (slm.model.loss._slice_rows)."""
     block, head = matmul_weights(shape)
     if base_dtype == "nf4":  # the head as a bfloat16 base's, and one block kernel dequantised at a time
-        return base_cast_bytes(shape.__class__(**{**shape.to_dict(), "n_layers": 0}), "bfloat16", mixed_precision,
+        return base_cast_bytes(replace(shape, n_layers=0), "bfloat16", mixed_precision,
                                remat, platform, chunked_loss) + int(NF4_TRANSIENT * (2 if mixed_precision else 4)
                                                                      * largest_kernel(shape))
     if platform == "cpu":

@@ -109,11 +109,10 @@ def rope_scaling(cfg: dict, where: str = "config.json") -> tuple | None:
 
 
 def refuse_unsupported(cfg: dict, where: str) -> None:
-    """Every config key that would change the computation is honoured or refused here, in one line: rope
-    scaling other than llama3/linear (in either layout), partial rotary, another activation, attention
+    """Every config key that would change the computation is honoured or refused here, in one line (rope
+    scaling other than llama3/linear is rope_scaling's to refuse): partial rotary, another activation, attention
     dropout, layers that are not full attention, an MLP bias."""
     rope = rope_settings(cfg)
-    rope_scaling(cfg, where)
     if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
         raise RunError(f"{where}: partial_rotary_factor is not supported (this model rotates the whole head)")
     act = cfg.get("hidden_act", "silu")

@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from slm.model.matmul import contract_f32
-from slm.model.sizing import ModelShape
+from slm.model.sizing import ModelShape, hidden_matrix_shapes
 
 # The 16 NF4 levels (QLoRA, appendix E; bitsandbytes' dDequantizeNF4), index 0b0000 .. 0b1111.
 LEVELS = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -68,10 +68,9 @@ def dequantize_rows(codes: jax.Array, absmax: jax.Array, n_in: int, n_out: int, 
 
 
 def dequantize(q: dict[str, Any], n_in: int, n_out: int) -> np.ndarray:
-    """numpy: the float32 kernel (in, out) that a quantized one stands for (exports, tests)."""
-    idx = np.stack([q["nf4_codes"] >> 4, q["nf4_codes"] & 15], axis=-1).reshape(-1, BLOCK)
-    values = LEVELS[idx] * np.asarray(q["nf4_absmax"], np.float32)[:, None]
-    return np.ascontiguousarray(values.reshape(-1)[: n_in * n_out].reshape(n_out, n_in).T)
+    """The float32 kernel (in, out) that a quantized one stands for, as numpy (exports, tests)."""
+    return np.asarray(dequantize_rows(jnp.asarray(q["nf4_codes"]), jnp.asarray(q["nf4_absmax"]), n_in, n_out,
+                                      jnp.float32).T)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -137,10 +136,8 @@ def quantize_block(block: dict) -> dict:
 
 
 def kernel_shapes(shape: ModelShape) -> dict:
-    """{(part, name): (in, out)} of a block's four matmul kernels (KERNELS)."""
-    D, F = shape.d_model, shape.d_ff
-    q, qkv = shape.n_heads * shape.head_dim, (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim
-    return {("attn", "qkv"): (D, qkv), ("attn", "o"): (q, D), ("mlp", "gate_up"): (D, 2 * F), ("mlp", "down"): (F, D)}
+    """{(part, name): (in, out)} of a block's four matmul kernels (KERNELS), in sizing's order."""
+    return dict(zip(KERNELS, hidden_matrix_shapes(shape)[:len(KERNELS)]))
 
 
 def dequantize_params(params: dict, shape: ModelShape) -> dict:
