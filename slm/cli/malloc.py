@@ -4,7 +4,7 @@ XLA's CPU runtime mallocs each step's temporary buffers and frees them after the
 over its mmap threshold (32 MB at most) with a fresh mmap each time, so every 4 KiB page of them is faulted
 in and zeroed again on every step: about 16,000 page faults a step at the quality race's shape, a large part
 of the step's system time. With the tunable, glibc asks for transparent huge pages for its memory (madvise),
-and a fault brings in 2 MiB. `bench/malloc_hugepages.py` measures both. glibc reads tunables only when a
+and a fault brings in 2 MiB. `bench/malloc_hugepages.py@1a39af2` measures both. glibc reads tunables only when a
 process starts, so the command line re-executes itself once with the tunable added; from a notebook, start
 the kernel with the variable set to get the same.
 

@@ -3,7 +3,7 @@
 Muon (Jordan et al. 2024; optax.contrib.scale_by_muon) replaces each hidden matrix's momentum by its
 nearest semi-orthogonal matrix (5 Newton-Schulz iterations), so every direction of the matrix moves at the
 same rate. On this trainer's 800K-parameter tinyshakespeare model at a fixed time budget it lowered held-out
-bits/byte by 2.8-3.5% against AdamW on every seed (bench/levers.py, docs/performance.md).
+bits/byte by 2.8-3.5% against AdamW on every seed (bench/levers.py@1a39af2, docs/performance.md).
 
 The hidden matrices are the attention's fused q/k/v and output kernels and the MLP's fused gate/up and down
 kernels of every block. A fused kernel is orthogonalised as the separate matrices it holds: qkv (D, 3D) is

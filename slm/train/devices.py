@@ -14,7 +14,7 @@ its own part of the data and contributes its rows of the global batch
 Why several CPU devices: XLA runs a CPU program one kernel at a time, each kernel split over all
 cores, and the small kernels of a small transformer split badly (2 cores give ~1.5x one core). Two
 host devices each running half the batch keep both cores busy: 1.4-1.5x the tokens/s of one device at
-the default and nanoGPT-baby shapes on this 2-core machine (bench/train_speed.py).
+the default and nanoGPT-baby shapes on this 2-core machine (bench/train_speed.py@1a39af2).
 
 Why one step in flight on multi-device CPU: with several steps dispatched ahead, XLA's CPU client
 can deadlock in the in-process all-reduce: one device's program holds a client worker while it waits

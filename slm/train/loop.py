@@ -76,6 +76,7 @@ class RunState:
     # this process's view, not saved
     lr: float = 0.0
     losses: list = field(default_factory=list)  # per micro-step loss (device scalars) since the last log
+    step_losses: list = field(default_factory=list)  # the latest optimizer step's micro-step losses (device scalars)
     finite: list = field(default_factory=list)  # per micro-step flags not yet checked
     checked_micro: int = 0  # micro-steps whose flags have been checked
     last_eval: dict | None = None
@@ -271,6 +272,7 @@ def _stepped(run: RunState, tokens: int, callbacks: Sequence[Callback], plan: Lo
     """Count an optimizer step of `tokens` global tokens and call the callbacks; any of them may stop the run."""
     run.step += 1
     run.tokens += tokens
+    run.step_losses = run.losses[-(tokens // plan.micro_tokens):]  # its micro-steps; LogMetrics empties losses
     run.throughput.add(tokens)
     run.due = plan.cadence.due(run, clock(), procs)
     for cb in callbacks:

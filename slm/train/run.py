@@ -230,7 +230,7 @@ def _train(c: Config, data: TrainData, built: Any, handed: list, plan: MemoryPla
         loader = make_loader(c, data, procs, env.log)
     batches = Batches(loader, data.rows, c.batch_size // procs.count, c.seed, resumed.get("loader"),
                       run.epoch_micro)
-    callbacks = make_callbacks(c, data, built, facts, resolved, peak[0], ckpt, loader, env, resumed, base) + extra
+    callbacks = make_callbacks(c, data, built, facts, resolved, peak[0], ckpt, loader, env, resumed, base, extra)
     closing = env.stack.enter_context(ExitStack())  # each callback closed once: at the end, or on an error
     for cb in reversed(callbacks):
         closing.callback(cb.close)
@@ -400,8 +400,9 @@ def restore(c: Config, ckpt: Checkpointer, state: Any, est: float | None, env: E
 
 def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, resolved: dict, peak: float,
                    ckpt: Checkpointer, loader: StreamingDataLoader | None, env: Env, resumed: dict,
-                   base: Any = None) -> list[Callback]:
-    """The trainer's callbacks in their order (slm.train.callbacks), with their sinks."""
+                   base: Any = None, extra: Sequence[Callback] = ()) -> list[Callback]:
+    """The trainer's callbacks in their order (slm.train.callbacks), with their sinks. The caller's `extra`
+    callbacks run after the checkpoint and before the stop conditions, so they see every step, the last too."""
     from slm.train.callbacks import (
         Console,
         Emitter,
@@ -437,6 +438,7 @@ def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, reso
             Evaluate(evaluator, emit, plot, env.signals, procs, log, clock),
             *([MixtureShares(loader.counts, procs.primary, log)] if isinstance(loader, MixtureLoader) else []),
             SaveCheckpoints(ckpt, loader.state_json if loader is not None else None, procs, clock),
+            *extra,
             StopConditions(c.max_steps, c.max_time, env.start, env.signals, out, clock),
             plot, emit]
 

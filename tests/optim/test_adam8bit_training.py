@@ -96,7 +96,7 @@ def _run(tmp_path, data_dir, name, seed, use_8bit):
 @pytest.mark.slow
 def test_heldout_loss_matches_fp32_and_a_linear_map_does_not(tmp_path, data_dir, monkeypatch):
     """Issue 3's loss criterion at CI size, with its tighter arm only: |8-bit - fp32| <= 1% of fp32's loss
-    (issue 3 allows max(1%, 2 x the fp32 seed spread); bench/optimizer_8bit_loss.py measures the spread over
+    (issue 3 allows max(1%, 2 x the fp32 seed spread); bench/optimizer_8bit.py --loss measures the spread over
     seeds). The same 8-bit code on linear maps fails it (a negative control)."""
     fp32 = _run(tmp_path, data_dir, "fp32", 0, False)["eval_loss"]
     q8 = _run(tmp_path, data_dir, "q8", 0, True)

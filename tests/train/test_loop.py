@@ -172,6 +172,30 @@ def test_a_partial_accumulation_at_the_end_of_the_data_is_applied(n_batches, epo
     assert events[-1] == ("r", "loop_end", state.step)  # the flush step's callbacks ran before the loop ended
 
 
+class LossTaker(Callback):
+    """Takes each optimizer step's micro-step losses, as a user's live-plot callback would."""
+
+    def __init__(self, seen: list):
+        self.seen = seen
+
+    def on_step(self, run):
+        self.seen.append([float(x) for x in run.step_losses])
+
+
+def test_each_step_hands_its_own_micro_losses_to_the_callbacks():
+    """step_losses is the latest optimizer step's micro-step losses, whole steps and the flushed partial one, even
+    after a logging callback has emptied run.losses (FakeStep's k-th micro-step reports loss 1/k)."""
+    seen = []
+
+    class Logger(Callback):
+        def on_step(self, run):
+            run.losses = []
+
+    run(n_batches=7, lp=plan(accumulation=3), callbacks=[Logger(), LossTaker(seen)], step=FlushingStep())
+    assert [len(s) for s in seen] == [3, 3, 1]
+    assert sum(seen, []) == pytest.approx([1 / k for k in range(1, 8)])
+
+
 def test_no_flush_after_a_stop():
     step = FlushingStep()
     state, _ = run(n_batches=7, lp=plan(accumulation=3), callbacks=[Recorder("r", [], stop_at=2)], step=step)
