@@ -60,14 +60,16 @@ def main() -> None:
 
     cmd = cli + flags + ["--output-dir", run]
     for k in range(a.kills):
-        target = logged(run) + rng.randint(3, max(4, a.steps // (a.kills + 1)))
+        # past the next --checkpoint-every 5: a kill before the first save would leave nothing to resume
+        target = logged(run) + rng.randint(6, max(7, a.steps // (a.kills + 1)))
         p = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         while logged(run) < target and p.poll() is None:
             time.sleep(0.05)
         p.send_signal(signal.SIGKILL)
         p.wait()
         saved = sorted(int(d) for d in os.listdir(os.path.join(run, "checkpoints")) if d.isdigit())
-        print(f"kill {k + 1}: SIGKILL after {logged(run)} logged steps; newest complete checkpoint: step {saved[-1]}")
+        newest = f"step {saved[-1]}" if saved else "none yet"
+        print(f"kill {k + 1}: SIGKILL after {logged(run)} logged steps; newest complete checkpoint: {newest}")
         cmd = cli + ["--resume", run]
     damaged = damage_newest(os.path.join(run, "checkpoints"))
     done = subprocess.run(cmd, env=env, cwd=tmp, check=True, capture_output=True, text=True)
