@@ -69,6 +69,7 @@ def _measure(path_of, params, shape, tok, ids, reference) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_random_model_logits_through_transformers_gguf_reader(name, tmp_path, monkeypatch):
     shape, tok = SHAPES[name], train_bpe(DOCS, 300)

@@ -42,6 +42,7 @@ def test_a_lock_left_by_a_process_that_is_gone_is_taken_over_with_a_line(tmp_pat
     lock.release()  # twice is fine
 
 
+@pytest.mark.slow
 def test_resume_of_a_live_run_is_refused_before_writing_anything(tmp_path, data_dir):
     out = tmp_path / "run"
     common = [sys.executable, str(ROOT / "train_optimized.py"), "--use-streaming", "--dataset-id",

@@ -81,6 +81,7 @@ def test_estimate_imports_no_jax():
     (1_000_000, 1, 64, False, False, True, 2),  # micro-batch 1: the 8-bit update's temporaries are the peak
     (1_000_000, 1, 64, False, False, False, 2),  # and MultiSteps' float32 update
 ])
+@pytest.mark.slow
 def test_estimate_within_15_percent_of_xla_memory_analysis(target, batch, seq, remat, bf16, eight, acc):
     shape = choose_shape(target, 1024)
     model = Transformer(shape, dtype=jnp.bfloat16 if bf16 else jnp.float32, remat=remat)

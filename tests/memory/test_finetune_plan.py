@@ -153,6 +153,7 @@ def test_hf_config_is_the_loaders_shape_and_the_plan_imports_no_jax():
     (False, True, "float16", ("q_proj", "k_proj", "v_proj", "o_proj"), 128, 2),
     (True, True, "float32", ("q_proj", "v_proj", "down_proj"), 256, 1),
 ])
+@pytest.mark.slow
 def test_lora_estimate_within_10_percent_of_the_compiled_lora_step(remat, mixed, base, targets, seq, batch):
     """The trainer's own LoRA step (slm.train.builder), compiled at abstract shapes on one CPU device."""
     from slm.model.lora import LoraSpec

@@ -90,6 +90,7 @@ def test_a_frozen_head_gets_no_gradient_computed():
     assert x_only < both and x_only < V * D * 4, (x_only / 2**20, both / 2**20)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("matmul,dtype,tied", [("float32", jnp.float32, False), ("float32", jnp.float32, True),
                                                ("bfloat16", jnp.float32, True), ("float32", jnp.bfloat16, True)])
 def test_the_model_loss_is_the_same_with_chunks(matmul, dtype, tied):

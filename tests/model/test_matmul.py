@@ -70,6 +70,7 @@ SHAPES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SHAPES))
 @pytest.mark.parametrize("mixed,remat", [(False, False), (True, True)])
 def test_loss_and_gradients_follow_float32_closely(name, mixed, remat):

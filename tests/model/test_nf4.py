@@ -41,6 +41,7 @@ def test_quantisation_error_on_normal_weights_and_odd_sizes():
     assert q["nf4_absmax"].shape == (1,) and np.abs(nf4.dequantize(q, 7, 5) - odd).max() <= 0.2 * np.abs(odd).max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("matmul", ["float32", "bfloat16"])
 def test_an_nf4_model_computes_what_its_dequantised_weights_compute(matmul):
     shape = ModelShape(vocab_size=128, n_layers=2, d_model=64, n_heads=4, d_ff=96, n_kv_heads=2, qkv_bias=True)

@@ -51,6 +51,7 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+@pytest.mark.slow
 def test_composes_with_multisteps_bf16_clipping_and_decay():
     shape = choose_shape(200_000, 512)
     model, tx = Transformer(shape, dtype=jnp.bfloat16), make_optimizer(0.1, 1.0, accumulation=2, use_8bit=True)

@@ -159,6 +159,7 @@ def _run_script(script: str) -> str:
     return proc.stdout.strip()
 
 
+@pytest.mark.slow
 def test_grouped_newton_schulz_over_two_devices_equals_optax_muon(tmp_path):
     """Sharing the orthogonalisation out over a 2-device mesh gives optax's updates and state, same layout."""
     assert _run_script(GROUPED_VS_OPTAX) == "ok"

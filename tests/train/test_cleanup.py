@@ -30,6 +30,7 @@ def _open_files_under(path) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_a_run_that_raises_closes_everything(tmp_path, data_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     before = {t.name for t in threading.enumerate()}

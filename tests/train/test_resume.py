@@ -49,6 +49,7 @@ def test_interrupted_and_resumed_twice_equals_one_run(tmp_path, data_dir, monkey
     assert final["eval_loss"] == pytest.approx(whole["eval_loss"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_different_model_or_dataset(tmp_path, data_dir, monkeypatch):
     from slm.errors import ConfigError
     from train_optimized import Config, train

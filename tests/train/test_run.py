@@ -23,6 +23,7 @@ def test_max_time_stops_then_evaluates_and_saves(tmp_path, data_dir, monkeypatch
     assert [p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()] == [str(summary["steps"])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_8bit", [False, True])
 def test_nonfinite_step_stops_the_run_naming_it_and_saves_nothing_after(tmp_path, data_dir, monkeypatch, use_8bit):
     """A learning rate of 1e30 overflows on the first update: the next step's gradient is non-finite."""
@@ -44,6 +45,7 @@ def test_nonfinite_step_stops_the_run_naming_it_and_saves_nothing_after(tmp_path
     assert all(math.isfinite(r["eval_loss"]) for r in rows if "eval_loss" in r)  # skipped steps left params finite
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_allows_n_bad_steps_then_stops(tmp_path, data_dir, monkeypatch):
     import time
 
@@ -86,6 +88,7 @@ def test_an_epochs_bounded_run_applies_its_trailing_partial_accumulation_and_sav
     assert (meta["step"], meta["micro_step"]) == (summary["steps"], micro)
 
 
+@pytest.mark.slow
 def test_bf16_matmuls_train_as_float32_does_and_a_run_may_switch_on_resume(tmp_path, data_dir, monkeypatch):
     """--matmul-precision bfloat16 (slm/model/matmul.py) through the trainer's sharded step: the same losses
     as float32 to bf16 rounding, recorded in config.json, and adjustable when a run is resumed."""
@@ -111,6 +114,7 @@ def test_bf16_matmuls_train_as_float32_does_and_a_run_may_switch_on_resume(tmp_p
     assert json.load(open(tmp_path / "float32" / "config.json"))["matmul_precision"] == "bfloat16"
 
 
+@pytest.mark.slow
 def test_dropout_from_epoch_1_leaves_the_first_pass_alone_and_drops_out_once_the_data_repeats(tmp_path, data_dir,
                                                                                                monkeypatch):
     """The default, dropout 0.1 from epoch 1 (written to config.json): epoch 0's losses are those of the run

@@ -54,6 +54,7 @@ def assert_same_run(run, summary, whole) -> None:
     assert summary["data_digest"] == want_summary["data_digest"]
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_exactly(tmp_path, data_dir, whole,
                                                                               monkeypatch):
     """Checkpoints 5, 10, 15; a state file of 15 truncated: --resume says so in one line, sets it aside and
@@ -90,6 +91,7 @@ class TakeSpaceAt:
         return SimpleNamespace(total=real.total, used=real.used, free=50_000 if self.full else real.free)
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_the_resume_continues_exactly(tmp_path, data_dir, whole,
                                                                                 monkeypatch):
     from slm.errors import DiskFullError
