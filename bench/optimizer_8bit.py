@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -166,10 +167,8 @@ def loss_bench(args: argparse.Namespace) -> None:
 
 def print_verdicts(fp32: list[float], results: dict[str, list[float]]) -> None:
     """Each arm's mean loss against fp32's, and PASS/FAIL against max(1% of fp32, 2 x the fp32 seed spread)."""
-    def mean(xs: list[float]) -> float:
-        return sum(xs) / len(xs)
-
     spread = max(fp32) - min(fp32)
+    mean = statistics.mean
     bound = max(0.01 * mean(fp32), 2 * spread)
     for tag, xs in results.items():
         gap = mean(xs) - mean(fp32)
