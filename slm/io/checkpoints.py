@@ -311,7 +311,8 @@ class _QuietDiskFull(logging.Filter):
         self.previous = sys.unraisablehook
 
     def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage() + (repr(record.exc_info[1]) if record.exc_info else "")
+        e = record.exc_info[1] if record.exc_info else None
+        text = record.getMessage() + (f" {e!r} {e}" if e else "")  # str: an OSError's filename (repr omits it)
         if self.seen and "orbax-checkpoint-tmp" in text:  # a writer thread that lost the failed save's
             return False  # temporary dir, which the Checkpointer removed: an echo of the same full disk
         if not _is_disk_full_text(text):

@@ -230,3 +230,27 @@ def test_a_write_that_runs_out_of_space_is_removed_and_reported_in_one_line(tmp_
     assert ck.failure is not None
     ck.close()  # no second error: the caller raises ck.failure after the run's summary
     assert sorted(p.name for p in directory.iterdir()) == ["1"]
+
+
+def test_after_a_full_disk_orbax_echoes_about_its_temporary_dir_are_held_back():
+    """asyncio logs an orbax writer's unretrieved FileNotFoundError (the failed save's temporary dir, which the
+    Checkpointer removed) after the one-line error; the path is only in the exception's str, not its repr."""
+    import logging
+    import sys
+
+    from slm.io.checkpoints import _QuietDiskFull
+
+    def record(e: BaseException) -> logging.LogRecord:
+        try:
+            raise e
+        except type(e):
+            info = sys.exc_info()
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "Future exception was never retrieved\n"
+                                 f"future: <Future finished exception={e!r}>", None, info)
+
+    gone = FileNotFoundError(2, "No such file or directory", "/run/checkpoints/10.orbax-checkpoint-tmp/state/x")
+    other = FileNotFoundError(2, "No such file or directory", "/somewhere/else")
+    quiet = _QuietDiskFull()
+    assert quiet.filter(record(gone))  # no full disk seen yet: nothing is held back
+    quiet.seen = "No space left on device"
+    assert not quiet.filter(record(gone)) and quiet.filter(record(other))
