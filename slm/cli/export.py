@@ -136,9 +136,19 @@ def _max_positions(config: dict) -> int:
 
 
 def run(args: argparse.Namespace, err: Any = sys.stderr) -> list[str]:
+    """Export on the host CPU whatever the machine has: merging adapters or dequantising an NF4 base makes a
+    full-precision copy of the model, which belongs in host memory, not beside nothing on a GPU's (the
+    device plan, --plan-for, counts no export program)."""
+    from slm.train.devices import import_jax_quietly, start_backend
+
     validate(args)
+    import_jax_quietly()
+    start_backend()
+    import jax
+
     try:
-        return {"hf": _hf, "peft": _peft, "gguf": _gguf}[args.format](args, err)
+        with jax.default_device(jax.devices("cpu")[0]):
+            return {"hf": _hf, "peft": _peft, "gguf": _gguf}[args.format](args, err)
     except OSError as e:
         raise ExportError(f"--out {args.out}: could not write ({e.strerror or e})") from None
 

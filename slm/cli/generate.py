@@ -18,8 +18,12 @@ import os
 import sys
 from typing import Any
 
-import jax
-import jax.numpy as jnp
+from slm.train.devices import import_jax_quietly, start_backend
+
+import_jax_quietly()  # before jax's first import: a --plan-for GPU plugin's native noise held back
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 from slm.cli.common import Parser, run_main
 from slm.data.chat import run_chat_template
@@ -80,8 +84,12 @@ def run(args: argparse.Namespace, out: Any = None, err: Any = None, stdin: Any =
     an interactive --chat reads the user's turns from `stdin`."""
     out, err, stdin = out or sys.stdout, err or sys.stderr, stdin or sys.stdin
     validate(args)
-    loaded = load_run(args.run, args.step)  # its RunErrors are one-line messages too
-    model = Transformer(loaded.shape, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+    start_backend()
+    # a LoRA run: its base as trained (NF4 codes, bf16...) beside the adapters, never a folded float32 copy
+    loaded = load_run(args.run, args.step, held_base=True)  # its RunErrors are one-line messages too
+    nf4 = loaded.lora is not None and loaded.config.get("base_dtype") == "nf4"
+    model = Transformer(loaded.shape, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32,
+                        lora=loaded.lora, nf4=nf4)
     decoder, timings = Decoder(model), {}
     if args.chat:
         _chat(args, loaded, decoder, timings, out, err, stdin)

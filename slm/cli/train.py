@@ -8,7 +8,11 @@ from slm.cli.malloc import process_start, reexec_with_huge_pages
 
 PROCESS_START = process_start(time.time())  # --max-time counts from here when run as a script
 
-from slm.cli.common import run_main
+from slm.train.devices import import_jax_quietly  # noqa: E402
+
+import_jax_quietly()  # before anything imports jax: a --plan-for GPU plugin's native noise held back
+
+from slm.cli.common import run_main  # noqa: E402
 from slm.cli.flags import parse_flags
 from slm.train.config import Config
 
@@ -18,6 +22,14 @@ def main(argv: list[str] | None = None) -> int:
         values, explicit, notes = parse_flags(argv)
         for note in notes:
             print(note)
+        if values.get("plan_for"):  # plan only: nothing is trained, read or tokenized
+            from slm.train.config import validate
+            from slm.train.plan_for import plan_main
+
+            config = Config(**values)
+            validate(config)
+            plan_main(config)
+            return
         from slm.train.run import (
             train,  # jax and the rest only once the flags are known to be good
         )

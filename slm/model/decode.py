@@ -3,6 +3,10 @@
 The same parameter tree and arithmetic as slm.model.transformer.Transformer, for T new tokens at absolute
 positions start..start+T-1 that attend to K/V cached from earlier calls. Separate classes so the
 training forward stays exactly as it is; `decode` applies them to a Transformer's params.
+
+Like the training model it applies LoRA adapters beside their kernels and dequantises an NF4 base one
+kernel at a time inside the program, with the model's matmul precision: a LoRA or QLoRA run samples from
+its base as held (never a folded or dequantised float32 copy of the whole base, ~29 GB for Mistral-7B).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from slm.model.lora import LoraSpec, adapted
+from slm.model.matmul import bf16_linear_rows
 from slm.model.rope import rotary_at
 from slm.model.sizing import ModelShape
 from slm.model.transformer import (
@@ -49,6 +55,9 @@ class CachedAttention(nn.Module):
     shape: ModelShape
     dtype: Dtype
     layer: int = 0
+    lora: LoraSpec | None = None
+    matmul: str = "float32"
+    nf4: bool = False
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array) -> tuple[jax.Array, dict]:
@@ -58,7 +67,7 @@ class CachedAttention(nn.Module):
         S = cache["k"].shape[1]
         assert T <= S, f"{T} new tokens do not fit a cache of {S} positions"
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
-        q, k, v = project_qkv(self.shape, self.dtype, x_BxTxD)
+        q, k, v = project_qkv(self.shape, self.dtype, x_BxTxD, self, self.lora, self.matmul, self.nf4)
         q, k = normed_qk(self.shape, q, k)
         q, k = rotary_at(q, start, S, *rope), rotary_at(k, start, S, *rope)
         k_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)
@@ -66,21 +75,26 @@ class CachedAttention(nn.Module):
         q_pos, k_pos = start + jnp.arange(T), jnp.arange(S)
         causal_TxS = windowed(q_pos[:, None] >= k_pos[None, :], q_pos, k_pos, self.shape.window(self.layer))
         out_BxTxHxK = attend(q, k_BxSxGxK, v_BxSxGxK, causal_TxS, self.dtype, self.shape.query_scale)
-        out_BxTxD = dense(D, "o", self.dtype, out_std)(out_BxTxHxK.reshape(B, T, H * K))
-        return out_BxTxD, {"k": k_BxSxGxK, "v": v_BxSxGxK}
+        out_BxTxHK = out_BxTxHxK.reshape(B, T, H * K)
+        out_BxTxD = dense(D, "o", self.dtype, out_std, matmul=self.matmul, nf4=self.nf4)(out_BxTxHK)
+        return adapted(self, self.lora, out_BxTxD, out_BxTxHK, "o"), {"k": k_BxSxGxK, "v": v_BxSxGxK}
 
 
 class CachedBlock(nn.Module):
     shape: ModelShape
     dtype: Dtype
     layer: int = 0
+    lora: LoraSpec | None = None
+    matmul: str = "float32"
+    nf4: bool = False
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array) -> tuple[jax.Array, dict]:
-        attn_BxTxD, cache = CachedAttention(self.shape, self.dtype, self.layer, name="attn")(
-            norm(self.shape, "attn_norm")(x_BxTxD), cache, start)
+        attn_BxTxD, cache = CachedAttention(self.shape, self.dtype, self.layer, self.lora, self.matmul, self.nf4,
+                                            name="attn")(norm(self.shape, "attn_norm")(x_BxTxD), cache, start)
         x_BxTxD = x_BxTxD + sandwiched(self.shape, "post_attn_norm", attn_BxTxD)
-        mlp_BxTxD = SwiGLU(self.shape, self.dtype, name="mlp")(norm(self.shape, "mlp_norm")(x_BxTxD))
+        mlp = SwiGLU(self.shape, self.dtype, self.lora, self.matmul, self.nf4, name="mlp")
+        mlp_BxTxD = mlp(norm(self.shape, "mlp_norm")(x_BxTxD))
         return x_BxTxD + sandwiched(self.shape, "post_mlp_norm", mlp_BxTxD), cache
 
 
@@ -93,6 +107,9 @@ class CachedTransformer(nn.Module):
 
     shape: ModelShape
     dtype: Dtype = jnp.float32
+    lora: LoraSpec | None = None  # adapters applied beside their kernels (training's arithmetic)
+    matmul: str = "float32"  # the projections' and head's product precision, as in training
+    nf4: bool = False  # the blocks' kernels held as NF4 codes, dequantised per matmul
 
     @nn.compact
     def __call__(self, ids_BxT: jax.Array, cache: KVCache, start: jax.Array,
@@ -103,11 +120,14 @@ class CachedTransformer(nn.Module):
         x_BxTxD = embed_tokens(self.shape, embed_VxD, ids_BxT, self.dtype)
         new_cache = []
         for i in range(self.shape.n_layers):
-            x_BxTxD, layer_cache = CachedBlock(self.shape, self.dtype, i, name=f"block_{i}")(x_BxTxD, cache[i], start)
+            block = CachedBlock(self.shape, self.dtype, i, self.lora, self.matmul, self.nf4, name=f"block_{i}")
+            x_BxTxD, layer_cache = block(x_BxTxD, cache[i], start)
             new_cache.append(layer_cache)
         if last is not None:
             x_BxTxD = jax.lax.dynamic_slice_in_dim(x_BxTxD, last, 1, axis=1)
         x_BxTxD = norm(self.shape, "final_norm")(x_BxTxD)
+        if self.matmul == "bfloat16":
+            return bf16_linear_rows(x_BxTxD, head_weights(self, embed_VxD), jnp.float32), new_cache
         head_VxD = head_weights(self, embed_VxD).astype(self.dtype)
         logits_BxTxV = jnp.einsum("bld,vd->blv", x_BxTxD, head_VxD, preferred_element_type=jnp.float32)
         return logits_BxTxV, new_cache
@@ -120,4 +140,5 @@ def decode(model: Transformer, params: Any, ids_BxT: jax.Array, cache: KVCache, 
     The cache must have been made by `init_cache` with `model.dtype` and filled by earlier calls for every
     position < start; the returned cache also holds these T positions.
     """
-    return CachedTransformer(model.shape, model.dtype).apply({"params": params}, ids_BxT, cache, start, last)
+    return CachedTransformer(model.shape, model.dtype, model.lora, model.matmul, model.nf4).apply(
+        {"params": params}, ids_BxT, cache, start, last)

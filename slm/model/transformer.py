@@ -154,12 +154,13 @@ def attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mas
     return jnp.einsum("bgrqs,bsgk->bqgrk", probs, v_BxSxGxK).reshape(B, L, H, K)
 
 
-def fused_attention_fits(dtype: Dtype) -> bool:
+def fused_attention_fits(dtype: Dtype, platform: str | None = None) -> bool:
     """cuDNN's fused (flash) attention for one causal sequence: on GPUs, in bf16 or fp16 (the kernel's dtypes).
     It never materialises the (L, L) scores: at 85M params, seq 1024 on an H100 the einsum attention held
     ~20 GB of activations and ran at 0.36x nanoGPT's tokens/s (docs/performance.md). CPUs keep the einsum
     attention, which measured as fast as jax.nn.dot_product_attention's XLA version there."""
-    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and jax.default_backend() == "gpu"
+    platform = platform or jax.default_backend()  # --plan-for compiles a GPU's program on a CPU
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and platform == "gpu"
 
 
 class Attention(nn.Module):
@@ -169,6 +170,7 @@ class Attention(nn.Module):
     matmul: str = "float32"  # the projections' product precision (slm.model.matmul)
     nf4: bool = False  # the frozen base's kernels as NF4 codes (NF4Dense)
     layer: int = 0  # its index: Gemma 3's sliding-window layers differ from its global ones
+    platform: str | None = None  # the backend compiled for (None: jax's default; --plan-for: the target's)
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
@@ -182,7 +184,7 @@ class Attention(nn.Module):
         else:  # packed documents kept apart (document_layout)
             pos_BxL, mask = layout
             q, k = rotary_positions(q, pos_BxL, *rope), rotary_positions(k, pos_BxL, *rope)
-        if layout is None and not window and fused_attention_fits(self.dtype):
+        if layout is None and not window and fused_attention_fits(self.dtype, self.platform):
             out_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=self.shape.query_scale,
                                                        implementation="cudnn")
         else:
@@ -262,10 +264,12 @@ class Block(nn.Module):
     dropout: float = 0.0  # on each residual branch's output (GPT-2's resid_pdrop)
     nf4: bool = False
     layer: int = 0
+    platform: str | None = None  # Attention's
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, layout: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-        attn = Attention(self.shape, self.dtype, self.lora, self.matmul, self.nf4, self.layer, name="attn")
+        attn = Attention(self.shape, self.dtype, self.lora, self.matmul, self.nf4, self.layer, self.platform,
+                         name="attn")
         mlp = SwiGLU(self.shape, self.dtype, self.lora, self.matmul, self.nf4, name="mlp")
         attn_BxLxD = attn(norm(self.shape, "attn_norm")(x_BxLxD), layout)
         x_BxLxD = x_BxLxD + dropout(self, self.dropout, sandwiched(self.shape, "post_attn_norm", attn_BxLxD))
@@ -290,6 +294,7 @@ class Transformer(nn.Module):
     loss_chunk: int = 0  # token_nll's vocabulary chunk (slm.model.loss); 0 or >= V: the full logits
     dropout: float = 0.0  # on the embeddings and each residual branch, in training only (token_nll's dropout_rng)
     nf4: bool = False  # QLoRA: the blocks' matmul kernels held as NF4 codes (slm.model.nf4, NF4Dense)
+    platform: str | None = None  # the backend it is compiled for (None: jax's default; --plan-for: the target's)
 
     @nn.compact
     def __call__(self, ids_BxL: jax.Array, features: bool = False) -> Any:
@@ -302,7 +307,7 @@ class Transformer(nn.Module):
         block_cls = nn.remat(Block, prevent_cse=True) if self.remat else Block
         for i in range(self.shape.n_layers):
             x_BxLxD = block_cls(self.shape, self.dtype, self.lora, self.matmul, self.dropout, self.nf4, i,
-                                name=f"block_{i}")(
+                                self.platform, name=f"block_{i}")(
                 x_BxLxD, layout)
         x_BxLxD = norm(self.shape, "final_norm")(x_BxLxD)
         head_VxD = head_weights(self, embed_VxD)

@@ -59,6 +59,7 @@ class StepSpec:
     matmul: str = "float32"  # the matrix products' operand dtype (slm.model.matmul)
     loss_chunk: int | None = None  # the loss's vocabulary chunk (slm.model.loss); 0: the whole logits; None: default
     dropout: float = 0.0  # on the embeddings and residual branches, in training
+    platform: str | None = None  # the backend compiled for: None, jax's default; --plan-for, the target's
 
     @classmethod
     def from_config(cls, c: Any, shape: ModelShape, doc_start: int | None = None) -> StepSpec:
@@ -106,11 +107,12 @@ class Built:
 def model_and_optimizer(spec: StepSpec, mesh: Any = None) -> tuple[Transformer, optax.GradientTransformation, TrainState]:
     """The Flax model, the optax transformation and the state's shapes (jax.eval_shape: nothing allocated).
     `mesh`: where the state is replicated (dp), so Muon can share its Newton-Schulz work over the devices."""
+    platform = spec.platform or jax.default_backend()
     model = Transformer(spec.shape, dtype=jnp.bfloat16 if spec.mixed_precision else jnp.float32, remat=spec.remat,
                         doc_start=spec.doc_start, lora=spec.lora, matmul=spec.matmul,
-                        loss_chunk=default_loss_chunk(spec.shape.vocab_size, jax.default_backend(), spec.matmul)
+                        loss_chunk=default_loss_chunk(spec.shape.vocab_size, platform, spec.matmul)
                         if spec.loss_chunk is None else spec.loss_chunk, dropout=spec.dropout,
-                        nf4=spec.lora is not None and spec.base_dtype == "nf4")
+                        nf4=spec.lora is not None and spec.base_dtype == "nf4", platform=spec.platform)
     tx = make_optimizer(spec.weight_decay, spec.grad_clip, spec.accumulation, use_8bit=spec.use_8bit,
                         optimizer=spec.optimizer, muon_lr_ratio=spec.muon_lr_ratio, muon_mesh=mesh)
     return model, tx, jax.eval_shape(lambda: fresh_state(trainable_init(model, spec), tx))
@@ -284,11 +286,13 @@ class LoadedRun:
     adapters: Any = None  # with load_run(..., fold_lora=False): the LoRA run's adapters, unfolded (params is None)
 
 
-def load_run(run_dir: str, step: int | None = None, fold_lora: bool = True) -> LoadedRun:
+def load_run(run_dir: str, step: int | None = None, fold_lora: bool = True, held_base: bool = False) -> LoadedRun:
     """A finished or running run's newest (or given) checkpoint, for sampling and export.
 
     A LoRA run's params are its base with the adapters folded in; with `fold_lora=False` the base is not read
     at all: `adapters` holds the adapters as trained (`lora` their spec) and `params` is None (PEFT export).
+    With `held_base` the params are the base as training held it (its --base-dtype, NF4 codes included) beside
+    the unfolded adapters: what a Transformer with the run's `lora` (and nf4) applies, with no float32 copy.
     Every failure (missing file, unknown --step, a corrupt or foreign checkpoint) is a RunError with a
     one-line message.
     """
@@ -307,7 +311,7 @@ def load_run(run_dir: str, step: int | None = None, fold_lora: bool = True) -> L
         raise RunError(str(e)) from None
     special = special_ids(tokenizer, os.path.join(run_dir, "tokenizer.json"))
     try:
-        return _restore(run_dir, step, tokenizer, special, fold_lora)
+        return _restore(run_dir, step, tokenizer, special, fold_lora, held_base)
     except RunError:
         raise
     except Exception as e:  # noqa: BLE001 - a corrupt or foreign checkpoint: say which and why, in one line
@@ -315,7 +319,8 @@ def load_run(run_dir: str, step: int | None = None, fold_lora: bool = True) -> L
                        f"{first_line(e)})") from None
 
 
-def _restore(run_dir: str, step: int | None, tokenizer: Any, special: SpecialIds, fold_lora: bool = True) -> LoadedRun:
+def _restore(run_dir: str, step: int | None, tokenizer: Any, special: SpecialIds, fold_lora: bool = True,
+             held_base: bool = False) -> LoadedRun:
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
     shape = ModelShape(**config["model"])
@@ -337,12 +342,13 @@ def _restore(run_dir: str, step: int | None, tokenizer: Any, special: SpecialIds
         ckpt.close()
     if spec.lora is not None and not fold_lora:
         return LoadedRun(config, shape, None, tokenizer, special, int(meta["step"]), spec.lora, state.params)
-    params = state.params if spec.lora is None else _with_base(run_dir, config, state.params, spec.lora)
+    params = state.params if spec.lora is None else _with_base(run_dir, config, state.params, spec.lora, not held_base)
     return LoadedRun(config, shape, params, tokenizer, special, int(meta["step"]), spec.lora)
 
 
-def _with_base(run_dir: str, config: dict, adapters: Any, lora: LoraSpec) -> Any:
-    """A LoRA run's model: its --init-from base (the same weights: sha256 checked) with the adapters folded in."""
+def _with_base(run_dir: str, config: dict, adapters: Any, lora: LoraSpec, folded: bool = True) -> Any:
+    """A LoRA run's model: its --init-from base (the same weights: sha256 checked) with the adapters folded in,
+    or (not `folded`) beside the base as held."""
     from slm.io.hf_import import resolve_pretrained
     from slm.model.lora import fold, merge
 
@@ -352,6 +358,8 @@ def _with_base(run_dir: str, config: dict, adapters: Any, lora: LoraSpec) -> Any
     if config.get("base_fingerprint") and fingerprint != config["base_fingerprint"]:
         raise RunError(f"{run_dir}: its base {config['init_from']} has changed since training (sha256 "
                        f"{fingerprint[:12]}..., trained on {config['base_fingerprint'][:12]}...)")
+    if not folded:
+        return merge(base, adapters)
     if base_dtype == "nf4":  # the weights the adapters trained against: NF4's levels times each block's absmax
         from slm.model.nf4 import dequantize_params
 

@@ -119,6 +119,7 @@ class Config:
     process_id: int | None = setting(None, "Several processes: this one's index, 0 to --num-processes - 1 (process 0 writes logs, samples and summary)", LAUNCH, unset="off")
     # memory
     memory_budget: str | None = setting(None, "Refuse to start (exit 2) if the predicted peak exceeds this, e.g. 8GB: host RSS on CPU, device memory on an accelerator", ADJUSTABLE, "bytes (8GB, 512MB)", unset="off")
+    plan_for: str | None = setting(None, "Plan the run for a GPU or TPU you will rent, from this machine: every program it runs on the device (train, eval, sample prefill and decode) compiled ahead of time for the target by XLA; prints each one's peak against the target's memory, writes plan.json, trains nothing, reads no weights or data; exit 0 if all fit, else 2 naming the program and the smallest change that fits (with --auto-fit: choose it). Targets: a10g-24gb, l4-24gb, rtx4090-24gb, a100-40gb, a100-80gb, h100-80gb (xN: N in one host), v5e-1, v5e-4, v5e-8, v4-8, v5p-8, v6e-8", PER_RUN, unset="off")
     auto_fit: bool = setting(False, "With --memory-budget: the fastest setting predicted to fit, keeping the effective batch: micro-batch x accumulation, host devices, 8-bit state, mixed precision, remat and checkpoint saves that wait for their write", PER_RUN)
     preset: str | None = setting(None, "limited-ram, medium-ram, high-ram, tpu or auto: the guide's settings for that hardware; explicit flags win", PER_RUN, unset="off")
     resume: str | None = setting(None, "Continue a run exactly (model, optimizer, schedule, data stream) from its newest checkpoint: --resume with --output-dir, or --resume RUN_DIR", PER_RUN, unset="off", optional_value="latest")
@@ -236,8 +237,12 @@ def validate(c: Config) -> None:
                           f"({(c.num_processes or 1) - 1})")
     if c.memory_budget is not None:
         parse_size(c.memory_budget)
-    if c.auto_fit and not c.memory_budget:
-        raise ConfigError("--auto-fit needs --memory-budget (e.g. --memory-budget 4GB)")
+    if c.plan_for is not None:
+        from slm.memory.targets import load_target
+
+        load_target(c.plan_for)  # an unknown name: one line listing the known ones
+    if c.auto_fit and not c.memory_budget and not c.plan_for:
+        raise ConfigError("--auto-fit needs --memory-budget (e.g. --memory-budget 4GB) or --plan-for TARGET")
     if c.preset is not None and c.preset not in PRESETS and c.preset != "auto":
         raise ConfigError(f"--preset {c.preset}: choose one of {', '.join([*PRESETS, 'auto'])}")
     n_sets = len(c.dataset_id) if isinstance(c.dataset_id, list) else 1

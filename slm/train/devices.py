@@ -26,8 +26,10 @@ recurred in 6,000 steps under the same load, and the sync costs nothing measurab
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +58,9 @@ def enable_compile_cache(directory: str | None = None) -> str | None:
     return directory
 
 
-def configure_cpu_devices(n: int | None = None) -> int:
-    """Ask for `n` host CPU devices (default: cores, at most 8); call before jax's backend starts.
+def configure_cpu_devices(n: int | None = None, start: bool = True) -> int:
+    """Ask for `n` host CPU devices (default: cores, at most 8); call before jax's backend starts. With `start`
+    the backend starts here (start_backend); jax.distributed must start first, so it passes False.
 
     Returns the number requested; a no-op when the backend is already running (the devices stay as
     they are) or when the user set --xla_force_host_platform_device_count themselves.
@@ -65,13 +68,69 @@ def configure_cpu_devices(n: int | None = None) -> int:
     import jax
 
     n = n or min(os.cpu_count() or 1, MAX_CPU_DEVICES)
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return n
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:  # backend already initialised (e.g. in a notebook after other jax work)
-        pass
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:  # backend already initialised (e.g. in a notebook after other jax work)
+            pass
+    if start:
+        start_backend()
     return n
+
+
+# Device files of a GPU or TPU driver: where none exists, no jax backend but the CPU's can start.
+ACCELERATOR_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/accel0", "/dev/vfio/0")
+
+
+def no_accelerator() -> bool:
+    """No GPU or TPU driver here and no JAX_PLATFORMS of the user's: the CPU is the only backend to start."""
+    return not os.environ.get("JAX_PLATFORMS") and not any(map(os.path.exists, ACCELERATOR_FILES))
+
+
+def import_jax_quietly() -> None:
+    """Import jax, holding back what jax's CUDA plugin (the --plan-for extra) writes natively at import on a
+    machine without a GPU: six lines of "Could not find cuda drivers". The entry points call this first."""
+    if "jax" in sys.modules or not no_accelerator():
+        return
+    with quiet_native_stderr():
+        import jax  # noqa: F401
+
+
+def start_backend() -> None:
+    """Start jax's backend. On a machine with no GPU or TPU and no JAX_PLATFORMS of the user's, ask for the CPU
+    alone: with jax's CUDA plugin or libtpu installed (the --plan-for extras) jax would otherwise try each at
+    start and print pages of warnings, and the plugin's native greeting ("Could not find cuda drivers") is held
+    back. A backend already running, or one the user chose, is left as it is."""
+    import jax
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return
+    if jax.config.jax_platforms or not no_accelerator():
+        jax.devices()
+        return
+    jax.config.update("jax_platforms", "cpu")
+    with quiet_native_stderr():
+        jax.devices()
+
+
+@contextlib.contextmanager
+def quiet_native_stderr() -> Iterator[None]:
+    """Hold back what native code writes to stderr meanwhile (file descriptor 2; Python's exceptions still
+    rise): the installed plugins' C++ logging, expected on a machine without their device."""
+    sys.stderr.flush()
+    try:
+        fd = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(fd, 2)
+        os.close(fd)
 
 
 def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -87,7 +146,7 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
         return Processes()
     import jax
 
-    configure_cpu_devices(cpu_devices)
+    configure_cpu_devices(cpu_devices, start=False)
     if jax.distributed.is_initialized():
         return Processes(jax.process_index(), jax.process_count())
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

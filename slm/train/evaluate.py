@@ -9,8 +9,7 @@ import numpy as np
 
 from slm.data.heldout import EvalSet
 from slm.model.generate import Decoder, generate_ids
-from slm.model.lora import LoraSpec, fold, merge
-from slm.model.nf4 import dequantize_params
+from slm.model.lora import LoraSpec, merge
 from slm.model.transformer import Transformer
 from slm.train.devices import Processes, replicated_batch
 from slm.train.interrupts import SignalWatcher
@@ -49,10 +48,10 @@ class Evaluator:
 
     def sample(self, params: Any, step: int) -> str:
         """A seq_len-token sample (temperature 0.8, top-k 40; key from seed + step), also appended to samples.txt.
-        With LoRA the adapters are folded into their kernels first (the KV-cache decoder applies plain kernels)."""
+        With LoRA the decoder applies the adapters beside the base as held (an NF4 base dequantised one kernel at a
+        time in the program): no folded or float32 copy of the base, so sampling stays inside the run's plan."""
         if self.base is not None:
-            base = dequantize_params(self.base, self.model.shape) if self.model.nf4 else self.base
-            params = fold(merge(base, params), self.model.shape, self.lora)
+            params = merge(self.base, params)
         ids = generate_ids(self.model, params, self.start_ids, self.seq_len - len(self.start_ids), decoder=self.decoder,
                            temperature=0.8, top_k=40, key=jax.random.PRNGKey(self.seed + step))
         text = self.tokenizer.decode(ids[0].tolist())

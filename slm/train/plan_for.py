@@ -1,0 +1,319 @@
+"""`--plan-for TARGET`: the run prepared as it would be on a GPU or TPU this machine does not have, and every
+program it would run on the device compiled ahead of time for that target by XLA (slm.train.aot): the
+train step (with its accumulation), the eval step at the eval batch, the sampler's prefill and one-token
+decode step at the longest sample. Each program's peak per device is XLA's buffer assignment for the target
+plus what stays resident beside it (the train state and a LoRA base that are not its arguments). No step
+is trained, no weight is read, no data is tokenized: `--init-from` needs only a config.json.
+
+The verdict keeps MARGIN of the memory jax gives a program (slm.memory.targets.Target.usable_mb) for what a
+compile-only build cannot see: the autotuner's choice of kernels and their cuBLAS/cuDNN workspaces (a
+deviceless compile does not autotune), and the allocator's fragmentation (docs/memory.md).
+
+Two more parts of a run touch the device without a program of their own, and are reported as such: a
+checkpoint save copies the resident state to the host (no device buffer beyond the state), and exports
+(export_hf.py) merge adapters and dequantise an NF4 base on the host CPU, never on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from slm.errors import ConfigError, first_line
+from slm.io.atomic import write_json
+from slm.memory.estimate import estimate_memory_usage
+from slm.memory.finetune import Finetune, model_shape
+from slm.memory.fit import fit_candidates
+from slm.memory.targets import Target, load_target
+from slm.model.sizing import ModelShape, choose_shape, count_params, default_dropout, default_learning_rate, \
+    default_loss_chunk, default_vocab_size
+from slm.train.aot import cudnn_for_compile, target_devices
+from slm.train.config import Config, flag_name, lora_target_list
+from slm.train.devices import start_backend
+
+Log = Callable[[str], None]
+MB = 2**20
+MARGIN = 0.10  # kept free of the usable memory: autotuned kernels' workspaces and fragmentation (docstring)
+SEARCH = 6  # --auto-fit / the suggestion: compile at most this many of the fastest predicted settings
+LEVERS = ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "use_mixed_precision",
+          "gradient_checkpointing", "base_dtype", "loss_chunk")
+
+
+@dataclass
+class Program:
+    """One row of the plan: a program's planned and compiled peak per device against the target's memory."""
+
+    program: str
+    planned_mb: float | None
+    xla_peak_mb: float | None
+    device_mb: float
+    fits: bool | None  # None: not compiled here (say why in `note`)
+    note: str = ""
+    compile_s: float = 0.0
+
+
+def plan_shape(c: Config) -> ModelShape:
+    """The model's shape without weights, tokenizer or data: --init-from's config.json (a local folder, or only
+    that file from the hub), else --target-params with --vocab-size or the vocabulary the BPE would get."""
+    if not c.init_from:
+        return choose_shape(c.target_params, c.vocab_size or default_vocab_size(c.target_params), c.n_layers,
+                            c.d_model, c.n_heads)
+    if os.path.isdir(c.init_from):
+        return model_shape(c.init_from)
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return model_shape(hf_hub_download(c.init_from, "config.json", revision=c.init_revision))
+    except Exception as e:  # noqa: BLE001 - offline, unknown id: one line
+        raise ConfigError(f"--init-from {c.init_from}: could not read its config.json ({type(e).__name__}: "
+                          f"{first_line(e)[:160]}); pass a local folder holding config.json") from None
+
+
+def resolved_for(c: Config, shape: ModelShape, platform: str) -> Config:
+    """`c` with the defaults a run on `platform` resolves (slm.train.prepare does the same on the real device)."""
+    matmul = c.matmul_precision or "float32"  # bf16 products are the default on bf16-capable CPUs only
+    return dataclasses.replace(
+        c, learning_rate=c.learning_rate or default_learning_rate(count_params(shape)),
+        optimizer=c.optimizer or ("adamw" if c.lora_rank else "muon"), matmul_precision=matmul,
+        loss_chunk=default_loss_chunk(shape.vocab_size, platform, matmul) if c.loss_chunk is None else c.loss_chunk,
+        dropout=default_dropout(bool(c.init_from)) if c.dropout is None else c.dropout)
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of an abstract tree (ShapeDtypeStructs with shardings)."""
+    import jax
+
+    def one(x: Any) -> int:
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        return math.prod(shape) * x.dtype.itemsize
+
+    return sum(one(x) for x in jax.tree.leaves(tree))
+
+
+def program_peak(compiled: Any) -> float:
+    """XLA's peak bytes per device of a compiled program: its own peak figure where the backend gives one (the
+    TPU's temp size reads 0 although its peak holds temporaries), else arguments + outputs + temps - aliased."""
+    m = compiled.memory_analysis()
+    summed = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return float(max(getattr(m, "peak_memory_in_bytes", 0) or 0, summed))
+
+
+def too_big(e: Exception) -> float | None:
+    """A compile that ran out of the target's memory: the MB it asked for when the message says, else nan;
+    None for any other failure."""
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+        return None
+    m = re.search(r"Used ([\d.]+)([KMGT])? of", text)
+    return float(m.group(1)) * {"K": 2**-10, "M": 1, "G": 2**10, "T": 2**20}[m.group(2) or "M"] if m else math.nan
+
+
+def measure(name: str, compile_it: Callable[[], Any], beside: int, note: str, target: Target) -> tuple:
+    """(name, MB per device, note, seconds) of one program: XLA's peak plus `beside` bytes that stay resident
+    next to it; a compile that runs out of the target's memory does not fit (its figure where XLA gives one)."""
+    t0 = time.time()
+    try:
+        return name, (program_peak(compile_it()) + beside) / MB, note, time.time() - t0
+    except Exception as e:  # noqa: BLE001 - out of the target's memory at compile time: it does not fit
+        asked, took = too_big(e), time.time() - t0
+        if asked is None:
+            return name, None, f"XLA could not compile it for {target.name}: {first_line(e)[:160]}", took
+        return name, asked if asked == asked else math.inf, "XLA: ran out of the device's memory", took
+
+
+def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target, train_only: bool = False
+                     ) -> list[tuple[str, float | None, str, float]]:
+    """(program, XLA's peak MB per device with what stays resident beside it, note, compile seconds) for each
+    device program of the run; train_only: the train step alone (the search's first filter). Two programs
+    compile at once (XLA compiles outside the GIL): the train step beside the eval step and the sampler."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from slm.model.generate import Decoder
+    from slm.model.lora import merge
+    from slm.train.builder import StepSpec, build, compile_step
+    from slm.train.step import make_eval_step
+
+    if c.batch_size % len(devices):
+        raise ConfigError(f"--batch-size {c.batch_size} does not split evenly over the {len(devices)} devices of "
+                          f"{target.name}; use a multiple of {len(devices)}")
+    built = build(dataclasses.replace(StepSpec.from_config(c, shape), platform=target.platform),
+                  Mesh(np.array(devices), ("data",)))
+    resident = device_bytes(built.abstract) + (device_bytes(built.base_abstract) if built.base_abstract else 0)
+    accumulate = f"micro-batch {c.batch_size} x {c.gradient_accumulation_steps}"
+    train = lambda: [measure("train step", lambda: compile_step(built)[0], 0, accumulate, target)]  # noqa: E731
+    if train_only:
+        return train()
+    params = built.abstract.params if built.base_abstract is None else merge(built.base_abstract, built.abstract.params)
+    beside = resident - device_bytes(params)  # the optimizer state (and step, accumulators) next to the params
+    batch = [jax.ShapeDtypeStruct((c.batch_size, c.seq_len), d, sharding=built.batch_sharding)
+             for d in (jnp.int32, jnp.int32, jnp.float32)]
+    decoder, new = Decoder(built.model), c.seq_len - 1  # the trainer's sample: seq_len tokens after a start token
+
+    def others() -> list[tuple]:
+        return [measure("eval step", lambda: make_eval_step(built.model).lower(params, *batch).compile(), beside,
+                        f"batch {c.batch_size} x {c.seq_len}", target),
+                measure("sample prefill", lambda: decoder.compiled(params, 1, 1, new, 40)[0], beside,
+                        f"KV cache of {c.seq_len} positions", target),
+                measure("sample decode step", lambda: decoder.compiled(params, 1, 1, new, 40)[1], beside,
+                        "one token, cache donated", target)]
+
+    with ThreadPoolExecutor(2) as pool:
+        first, rest = pool.submit(train), pool.submit(others)
+        rows = first.result() + rest.result()
+    return rows + [("checkpoint save", resident / MB, "device-to-host copy of the resident state: no device program",
+                    0.0)]
+
+
+def verdicts(rows: list, planned: float, usable: float) -> list[Program]:
+    out = []
+    for name, peak, note, seconds in rows:
+        fits = None if peak is None else peak <= usable * (1 - MARGIN)
+        out.append(Program(name, round(planned, 1) if name == "train step" else None,
+                           None if peak is None or peak == math.inf else round(peak, 1), round(usable, 1), fits, note,
+                           round(seconds, 1)))
+    return out
+
+
+def planned_mb(c: Config, shape: ModelShape, target: Target) -> float:
+    """The arithmetic's device figure for the train step (slm.memory.estimate, the target's platform)."""
+    lora = {} if c.lora_rank is None else {"model": shape, "lora_rank": c.lora_rank, "base_dtype": c.base_dtype,
+                                           "lora_targets": lora_target_list(c.lora_targets)}
+    est = estimate_memory_usage(0, c.seq_len, c.batch_size, shape=None if lora else shape,
+                                mixed_precision=c.use_mixed_precision, use_8bit_optimizer=c.use_8bit_optimizer,
+                                gradient_accumulation_steps=c.gradient_accumulation_steps,
+                                gradient_checkpointing=c.gradient_checkpointing, devices=target.count,
+                                platform=target.platform, sharding=c.sharding, optimizer=c.optimizer,
+                                loss_chunk=c.loss_chunk, **lora)
+    return est["device_total_mb"]
+
+
+def candidates(c: Config, shape: ModelShape, target: Target, usable: float, base_dtypes: tuple[str, ...]) -> list[dict]:
+    """The settings --auto-fit ranks (same effective batch), fastest first, all on the target's devices."""
+    finetune = None if c.lora_rank is None else Finetune(c.lora_rank, tuple(lora_target_list(c.lora_targets)),
+                                                        c.base_dtype)
+    found = fit_candidates(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, int(usable * MB),
+                           max_devices=target.count, platform=target.platform, data_mb=0.0, margin=MARGIN,
+                           user=(c.use_8bit_optimizer, c.use_mixed_precision, c.gradient_checkpointing),
+                           finetune=finetune, base_dtypes=base_dtypes if finetune else (), optimizer=c.optimizer,
+                           loss_chunk=c.loss_chunk, checkpoint_sync="off")
+    return [f for f in found if f["devices"] == target.count]
+
+
+def search(c: Config, shape: ModelShape, devices: list, target: Target, usable: float,
+           base_dtypes: tuple[str, ...], log: Log) -> tuple[Config, list] | None:
+    """The fastest predicted setting whose every program fits once compiled for the target: (config, rows)."""
+    for i, f in enumerate(candidates(c, shape, target, usable, base_dtypes)[:SEARCH]):
+        trial = dataclasses.replace(c, **{k: f[k] for k in LEVERS if k in f})
+        rows = compile_programs(trial, shape, devices, target, train_only=True)
+        if all(r[1] is not None and r[1] <= usable * (1 - MARGIN) for r in rows):
+            rows = compile_programs(trial, shape, devices, target)
+            if all(r[1] is not None and r[1] <= usable * (1 - MARGIN) for r in rows):
+                return trial, rows
+        log(f"[plan] candidate {i + 1} ({changes(c, trial) or 'as given'}) does not fit once compiled")
+    return None
+
+
+def changes(before: Config, after: Config) -> str:
+    """The flags that turn `before`'s setting into `after`'s."""
+    out = []
+    for k in LEVERS:
+        a, b = getattr(before, k), getattr(after, k)
+        if a == b:
+            continue
+        out.append(flag_name(k) if b is True else f"--no-{flag_name(k)[2:]}" if b is False else f"{flag_name(k)} {b}")
+    return " ".join(out)
+
+
+def plan_main(config: Config, log: Log = print) -> dict:
+    """--plan-for: compile the run's device programs for the target, print the table, write plan.json; returns
+    the plan, or raises ConfigError (exit 2) naming the program that does not fit and the smallest change
+    that does (checked by compiling it)."""
+    c = dataclasses.replace(config)
+    target = load_target(c.plan_for)
+    usable, why = target.usable_mb()
+    shape = plan_shape(c)
+    c = resolved_for(c, shape, target.platform)
+    t0 = time.time()
+    start_backend()  # this process computes nothing: the CPU's backend, quietly, beside the compile-only devices
+    devices = target_devices(target)
+    log(f"[plan] {target.name}: {target.count} x {target.facts['device']}, {target.device_mb:,.0f} MB each; a "
+        f"program may use {usable:,.0f} MB ({why}); a verdict keeps {MARGIN:.0%} of it free (autotuned kernels' "
+        f"workspaces, fragmentation: what a compile-only build cannot see)")
+    if c.auto_fit:
+        with cudnn_for_compile():
+            found = search(c, shape, devices, target, usable, (), log)
+        if found is None:
+            raise ConfigError(f"--plan-for {target.name} --auto-fit: none of the {SEARCH} fastest settings that keep "
+                              f"the effective batch fits once compiled; lower --seq-len, use --lora-rank or a lower "
+                              f"--base-dtype, or a larger target")
+        chosen, rows = found
+        log(f"[auto-fit] chosen for {target.name}: {changes(c, chosen) or 'the settings as given'} (the fastest "
+            f"predicted setting whose every program fits once compiled)")
+        c = chosen
+    else:
+        with cudnn_for_compile():
+            rows = compile_programs(c, shape, devices, target)
+    programs = verdicts(rows, planned_mb(c, shape, target), usable)
+    for line in table(programs):
+        log(line)
+    plan = {"target": target.name, "device": target.facts["device"], "devices": target.count,
+            "usable_mb": round(usable, 1), "usable_is": why, "margin": MARGIN,
+            "setting": setting_of(c, shape), "programs": [dataclasses.asdict(p) for p in programs],
+            "compile_s": round(time.time() - t0, 1)}
+    out = c.output_dir or os.path.join("runs", f"plan-{target.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, "plan.json"), plan)
+    log(f"[plan] written {os.path.join(out, 'plan.json')} ({plan['compile_s']:.0f} s of compiling)")
+    bad = next((p for p in programs if not p.fits), None)
+    if bad is not None:
+        raise ConfigError(refusal(c, shape, devices, target, usable, bad, log))
+    return plan
+
+
+def refusal(c: Config, shape: ModelShape, devices: list, target: Target, usable: float, bad: Program, log: Log) -> str:
+    """The one line for a program that does not fit (or was not compiled), with the smallest change that fits."""
+    if bad.fits is None:
+        return f"--plan-for {target.name}: the {bad.program} could not be compiled for the target here ({bad.note})"
+    need = "more than the device has" if bad.xla_peak_mb is None else f"{bad.xla_peak_mb:,.0f} MB"
+    head = (f"--plan-for {target.name}: the {bad.program} needs {need} per device, over {usable * (1 - MARGIN):,.0f} "
+            f"MB ({100 - MARGIN * 100:.0f}% of the {usable:,.0f} MB jax gives a program)")
+    lowered = ("bfloat16", "nf4") if c.lora_rank is not None else ()
+    with cudnn_for_compile():
+        found = search(c, shape, devices, target, usable, lowered, log)
+    if found is None:
+        return head + "; nothing at this effective batch fits: lower --seq-len, use --lora-rank, or a larger target"
+    fix = changes(c, found[0])
+    auto = "" if "--base-dtype" in fix else " (or add --auto-fit)"
+    return head + f"; this fits once compiled: {fix}{auto}"
+
+
+def setting_of(c: Config, shape: ModelShape) -> dict:
+    keys = ("init_from", "target_params", "seq_len", "batch_size", "gradient_accumulation_steps", "use_mixed_precision",
+            "gradient_checkpointing", "use_8bit_optimizer", "sharding", "optimizer", "matmul_precision", "loss_chunk",
+            "lora_rank", "lora_targets", "base_dtype")
+    return {**{k: getattr(c, k) for k in keys}, "params": count_params(shape)}
+
+
+def table(programs: list[Program]) -> list[str]:
+    def mb(x: float | None) -> str:
+        return "-" if x is None else f"{x:,.0f}"
+
+    def verdict(p: Program) -> str:
+        return {True: "fits", False: "DOES NOT FIT", None: "NOT COMPILED"}[p.fits]
+
+    rows = [("program", "planned MB", "XLA peak MB/device", "usable MB", "verdict", "")]
+    rows += [(p.program, mb(p.planned_mb), mb(p.xla_peak_mb), mb(p.device_mb), verdict(p), p.note) for p in programs]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return [f"[plan] {r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  "
+            f"{r[4]:<{widths[4]}}  {r[5]}".rstrip() for r in rows]
