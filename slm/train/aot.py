@@ -11,6 +11,8 @@ stays on CPU and nothing is allocated.
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from slm.errors import ConfigError, first_line
@@ -70,6 +72,9 @@ def target_devices(target: Target) -> list[Any]:
                           f"compiler; {INSTALL[target.platform]}")
     from jax.experimental import topologies
 
+    # libtpu locks /tmp/libtpu_lockfile so that one process owns the chips; compile-only there are no chips, and
+    # two plans (or a plan and the tests' workers) may compile at once
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     f = target.facts
     try:
         with quiet_native_stderr():
@@ -87,22 +92,29 @@ def target_devices(target: Target) -> list[Any]:
 
 
 @contextlib.contextmanager
-def cudnn_for_compile():
-    """While lowering for a compile-only GPU: jax asks the cuDNN *runtime* for its version before it emits
-    cuDNN's fused attention, and a machine without a GPU has none. Answer with the cuDNN jax's CUDA wheels
-    bring (CUDNN), so the program compiled is the one the GPU runs; a real cuDNN, where there is one, answers
-    for itself."""
+def compile_only() -> Iterator[None]:
+    """While compiling for compile-only devices: no persistent compilation cache (a compile-only executable
+    cannot be stored or loaded there: jax warns "PjRtCompiler must be constructed with a Client"), and a
+    stand-in for cuDNN where this machine has none (cudnn_version). Both restored after."""
+    import jax
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
-    original = fa.check_cudnn_version
-    try:
-        original()
-        yield
-        return
-    except Exception:  # noqa: BLE001 - no cuDNN here: stand in for it while lowering
-        pass
-    fa.check_cudnn_version = lambda: CUDNN[0] * 10000 + CUDNN[1] * 100 + CUDNN[2]
+    cache, original = jax.config.jax_enable_compilation_cache, fa.check_cudnn_version
+    jax.config.update("jax_enable_compilation_cache", False)
+    fa.check_cudnn_version = cudnn_version(original)
     try:
         yield
     finally:
         fa.check_cudnn_version = original
+        jax.config.update("jax_enable_compilation_cache", cache)
+
+
+def cudnn_version(runtime: Callable[[], int]) -> Callable[[], int]:
+    """jax asks the cuDNN *runtime* for its version before it emits cuDNN's fused attention, and a machine
+    without a GPU has none: answer with the cuDNN jax's CUDA wheels bring (CUDNN), so the program compiled is
+    the one the GPU runs. A real cuDNN, where there is one, answers for itself."""
+    try:
+        runtime()
+        return runtime
+    except Exception:  # noqa: BLE001 - no cuDNN here: stand in for it while lowering
+        return lambda: CUDNN[0] * 10000 + CUDNN[1] * 100 + CUDNN[2]

@@ -83,8 +83,8 @@ ACCELERATOR_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/
 
 
 def no_accelerator() -> bool:
-    """No GPU or TPU driver here and no JAX_PLATFORMS of the user's: the CPU is the only backend to start."""
-    return not os.environ.get("JAX_PLATFORMS") and not any(map(os.path.exists, ACCELERATOR_FILES))
+    """No GPU or TPU driver here, and JAX_PLATFORMS unset or "cpu": the CPU is the only backend to start."""
+    return os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and not any(map(os.path.exists, ACCELERATOR_FILES))
 
 
 def import_jax_quietly() -> None:

@@ -33,7 +33,7 @@ from slm.memory.fit import fit_candidates
 from slm.memory.targets import Target, load_target
 from slm.model.sizing import ModelShape, choose_shape, count_params, default_dropout, default_learning_rate, \
     default_loss_chunk, default_vocab_size
-from slm.train.aot import cudnn_for_compile, target_devices
+from slm.train.aot import compile_only, target_devices
 from slm.train.config import Config, flag_name, lora_target_list
 from slm.train.devices import start_backend
 
@@ -104,14 +104,19 @@ def program_peak(compiled: Any) -> float:
     return float(max(getattr(m, "peak_memory_in_bytes", 0) or 0, summed))
 
 
-def too_big(e: Exception) -> float | None:
-    """A compile that ran out of the target's memory: the MB it asked for when the message says, else nan;
-    None for any other failure."""
+def too_big(e: Exception) -> tuple[float, str] | None:
+    """A compile that ran out of the target's memory: (the MB XLA says it needs, or nan; XLA's words), None for
+    any other failure. libtpu says e.g. "the total memory required for HLO temporaries (17.04G) exceeds
+    available HBM (15.75G)": the temporaries alone, so the peak is at least that."""
     text = str(e)
     if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
         return None
-    m = re.search(r"Used ([\d.]+)([KMGT])? of", text)
-    return float(m.group(1)) * {"K": 2**-10, "M": 1, "G": 2**10, "T": 2**20}[m.group(2) or "M"] if m else math.nan
+    unit = {"K": 2**-10, "M": 1.0, "G": 2**10, "T": 2**20}
+    m = re.search(r"\(([\d.]+)([KMGT])\) exceeds available \w+ \(([\d.]+)([KMGT])\)", text)
+    if not m:
+        return math.nan, "XLA: ran out of the device's memory"
+    need, have = float(m.group(1)) * unit[m.group(2)], float(m.group(3)) * unit[m.group(4)]
+    return need, f"XLA: its temporaries alone ({need:,.0f} MB) exceed the device's {have:,.0f} MB"
 
 
 def measure(name: str, compile_it: Callable[[], Any], beside: int, note: str, target: Target) -> tuple:
@@ -124,7 +129,7 @@ def measure(name: str, compile_it: Callable[[], Any], beside: int, note: str, ta
         asked, took = too_big(e), time.time() - t0
         if asked is None:
             return name, None, f"XLA could not compile it for {target.name}: {first_line(e)[:160]}", took
-        return name, asked if asked == asked else math.inf, "XLA: ran out of the device's memory", took
+        return name, asked[0] if asked[0] == asked[0] else math.inf, asked[1], took
 
 
 def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target, train_only: bool = False
@@ -251,7 +256,7 @@ def plan_main(config: Config, log: Log = print) -> dict:
         f"program may use {usable:,.0f} MB ({why}); a verdict keeps {MARGIN:.0%} of it free (autotuned kernels' "
         f"workspaces, fragmentation: what a compile-only build cannot see)")
     if c.auto_fit:
-        with cudnn_for_compile():
+        with compile_only():
             found = search(c, shape, devices, target, usable, (), log)
         if found is None:
             raise ConfigError(f"--plan-for {target.name} --auto-fit: none of the {SEARCH} fastest settings that keep "
@@ -262,7 +267,7 @@ def plan_main(config: Config, log: Log = print) -> dict:
             f"predicted setting whose every program fits once compiled)")
         c = chosen
     else:
-        with cudnn_for_compile():
+        with compile_only():
             rows = compile_programs(c, shape, devices, target)
     programs = verdicts(rows, planned_mb(c, shape, target), usable)
     for line in table(programs):
@@ -285,11 +290,12 @@ def refusal(c: Config, shape: ModelShape, devices: list, target: Target, usable:
     """The one line for a program that does not fit (or was not compiled), with the smallest change that fits."""
     if bad.fits is None:
         return f"--plan-for {target.name}: the {bad.program} could not be compiled for the target here ({bad.note})"
-    need = "more than the device has" if bad.xla_peak_mb is None else f"{bad.xla_peak_mb:,.0f} MB"
+    need = "more than the device has" if bad.xla_peak_mb is None else f"{bad.xla_peak_mb:,.0f} MB" + (
+        " or more" if "alone" in bad.note else "")
     head = (f"--plan-for {target.name}: the {bad.program} needs {need} per device, over {usable * (1 - MARGIN):,.0f} "
             f"MB ({100 - MARGIN * 100:.0f}% of the {usable:,.0f} MB jax gives a program)")
     lowered = ("bfloat16", "nf4") if c.lora_rank is not None else ()
-    with cudnn_for_compile():
+    with compile_only():
         found = search(c, shape, devices, target, usable, lowered, log)
     if found is None:
         return head + "; nothing at this effective batch fits: lower --seq-len, use --lora-rank, or a larger target"

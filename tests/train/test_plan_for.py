@@ -1,0 +1,99 @@
+"""--plan-for: every device program of a run compiled ahead of time for a GPU or TPU this machine does not have."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT
+
+from slm.errors import ConfigError
+from slm.train.config import Config
+from slm.train.plan_for import plan_main
+
+PROGRAMS = ["train step", "eval step", "sample prefill", "sample decode step", "checkpoint save"]
+
+
+def tiny(tmp_path, target, **kw):
+    return Config(use_streaming=True, plan_for=target, target_params=150_000, vocab_size=512, seq_len=64,
+                  batch_size=8, output_dir=str(tmp_path), **kw)
+
+
+def param_bytes(plan):  # float32 params of the shape the plan names: an independent lower bound of any program
+    return plan["setting"]["params"] * 4 / 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["a10g-24gb", "v5e-4"])
+def test_each_program_kind_compiles_for_the_target_and_plan_json_says_so(tmp_path, target):
+    lines = []
+    plan = plan_main(tiny(tmp_path, target, gradient_accumulation_steps=2), log=lines.append)
+    assert json.loads((tmp_path / "plan.json").read_text()) == plan
+    assert {"target", "setting", "programs"} <= plan.keys() and plan["target"] == target
+    assert [p["program"] for p in plan["programs"]] == PROGRAMS
+    for p in plan["programs"]:
+        assert {"program", "planned_mb", "xla_peak_mb", "device_mb", "fits"} <= p.keys()
+        assert p["fits"] is True and p["xla_peak_mb"] >= param_bytes(plan), p
+        assert p["device_mb"] == plan["usable_mb"]
+    train = plan["programs"][0]
+    assert train["planned_mb"] > 0 and train["xla_peak_mb"] > plan["programs"][4]["xla_peak_mb"]  # state + activations
+    assert any("train step" in line and "fits" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_the_gpu_program_is_the_gpus_own_not_the_cpus(tmp_path):
+    """The same run compiled for the GPU and for this CPU: different compilers, different buffer assignments
+    (a fallback to CPU figures would give equal ones)."""
+    import jax
+
+    from slm.train.builder import StepSpec, build, compile_step
+    from slm.train.devices import data_mesh
+    from slm.train.plan_for import plan_shape, resolved_for
+
+    plan = plan_main(tiny(tmp_path, "h100-80gb"), log=lambda *_: None)
+    c = resolved_for(tiny(tmp_path, "h100-80gb"), plan_shape(tiny(tmp_path, "h100-80gb")), "gpu")
+    cpu_mb = compile_step(build(StepSpec.from_config(c, plan_shape(c)), data_mesh(8, max_devices=1)))[2]
+    assert jax.devices()[0].platform == "cpu"
+    assert plan["programs"][0]["xla_peak_mb"] != pytest.approx(cpu_mb, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_a_target_too_small_refuses_naming_the_program_and_a_change_that_fits(tmp_path):
+    c = Config(use_streaming=True, plan_for="v5e-1", target_params=2_000_000, vocab_size=2048, seq_len=1024,
+               batch_size=128, output_dir=str(tmp_path))
+    with pytest.raises(ConfigError) as e:
+        plan_main(c, log=lambda *_: None)
+    msg = str(e.value)
+    assert "\n" not in msg and "train step" in msg and "this fits once compiled:" in msg, msg
+    fix = msg.split("this fits once compiled: ")[1].split(" (or")[0].split()
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["programs"][0]["fits"] is False and plan["programs"][0]["xla_peak_mb"] > 16 * 1024  # > v5e's HBM
+    # the suggestion is a command that works: the same plan with its flags added (a later flag wins) fits
+    argv = ["--use-streaming", "--plan-for", "v5e-1", "--target-params", "2000000", "--vocab-size", "2048",
+            "--seq-len", "1024", "--batch-size", "128", "--output-dir", str(tmp_path / "fixed"), *fix]
+    run = subprocess.run([sys.executable, str(ROOT / "train_optimized.py"), *argv], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+
+
+def test_without_the_compiler_it_says_which_pip_command_adds_it(monkeypatch, tmp_path):
+    import slm.train.aot as aot
+
+    monkeypatch.setattr(aot, "plugin_installed", lambda platform: False)
+    for target, extra in (("a10g-24gb", "plan-gpu"), ("v5e-8", "plan-tpu")):
+        with pytest.raises(ConfigError) as e:
+            plan_main(tiny(tmp_path, target), log=lambda *_: None)
+        assert "pip install" in str(e.value) and extra in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_cpu_run_with_the_compilers_installed_prints_nothing_new(tmp_path):
+    """jax's CUDA plugin writes "Could not find cuda drivers" natively at import, and libtpu warns at backend
+    start, on a machine with neither: the trainer's entry points hold both back."""
+    code = ("from slm.train.devices import import_jax_quietly, start_backend\n"
+            "import_jax_quietly(); start_backend()\n"
+            "import jax, jax.numpy as jnp\n"
+            "print(jax.devices()[0].platform, float(jax.jit(lambda x: x * 2)(jnp.ones(())))) \n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "JAX_PLATFORMS"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert run.returncode == 0 and run.stdout.split() == ["cpu", "2.0"], run.stderr
+    assert run.stderr == ""
