@@ -17,6 +17,7 @@ import shutil
 import sys
 
 import nbformat
+import pytest
 from helpers import ROOT
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import KernelManager
@@ -43,7 +44,7 @@ def execute(name: str, tmp_path) -> tuple[nbformat.NotebookNode, str]:
            "HF_DATASETS_OFFLINE": "1", "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
     km = KernelManager(kernel_name="python3", kernel_spec_manager=ThisPython())
     # Errors raise CellExecutionError naming the cell and its traceback (allow_errors is False).
-    NotebookClient(nb, km=km, timeout=300, startup_timeout=120, record_timing=False,
+    NotebookClient(nb, km=km, timeout=900, startup_timeout=120, record_timing=False,
                    resources={"metadata": {"path": str(tmp_path)}}).execute(env=env)
     for cell in nb.cells:
         for out in cell.get("outputs", []):
@@ -69,6 +70,7 @@ def assert_png(path) -> None:
     assert 5_000 < path.stat().st_size < 500_000, f"{path}: {path.stat().st_size} bytes"
 
 
+@pytest.mark.slow  # section 4 compiles Mistral-7B's step for an A10G six times and more (~8 min on 2 cores)
 def test_plan_before_you_train(tmp_path):
     nb, text = execute("plan_before_you_train", tmp_path)
     # Seed 002: its first settings do not fit a 24 GB GPU (it ran out of memory); fit_to_budget's plan does.
@@ -83,6 +85,17 @@ def test_plan_before_you_train(tmp_path):
     assert "| fit_to_budget from first | " in text  # the seed 002 table
     assert pngs(nb, "fig.savefig") == 1
     assert_png(tmp_path / "plan_memory.png")
+    # Section 4, XLA:GPU's own figures for an A10G: the seed's first settings did not fit (it ran out of memory),
+    # its final ones ran (168 hours), and so must a 4-bit base; --auto-fit's choice fits every program
+    verdicts = dict(re.findall(r"^A10G (.+?): planned .* -> (fits|does not fit)$", text, re.M))
+    assert verdicts.get("first (seed), fp16 base") == "does not fit", text
+    assert verdicts.get("final (seed), fp16 base") == "fits" and verdicts.get("final, nf4 base (QLoRA)") == "fits"
+    fitted = re.search(r"auto-fit for the A10G: micro-batch (\d+) x accumulation (\d+)", text)
+    assert fitted and int(fitted[1]) * int(fitted[2]) == 16, text
+    programs = re.findall(r"^  (train step|eval step|sample prefill|sample decode step|checkpoint save): XLA .* -> "
+                          r"(fits|does not fit)$", text, re.M)
+    assert len(programs) == 5 and all(v == "fits" for _, v in programs), programs
+    assert re.search(r"^v5e-8 Llama-3.2-1B full fine-tune: planned .* -> (fits|does not fit)$", text, re.M), text
 
 
 def test_train_watch_sample(tmp_path):

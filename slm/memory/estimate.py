@@ -112,6 +112,20 @@ COEFFICIENTS = {
     (True, True, True): ActivationCoefficients(49.57, 10.24, 7.60, 8.52),
 }
 
+# Fitted to XLA's own buffer assignment for the target's compiler, from this CPU (--plan-for's compile-only
+# devices: bench/plan_for_xla.py fit, 2026-11-25, jax 0.10.2): an H100 for "gpu", a TPU v5e for "tpu"; keys
+# (remat, mixed precision); (a, b, c, e, k) with k a constant in bytes. On a GPU the bf16 step runs cuDNN's
+# fused attention, which keeps no (S, S) scores (c ~ 0); XLA:GPU and the TPU compiler fuse far more than
+# XLA:CPU, so their activations are a fraction of COEFFICIENTS' (docs/memory.md, "Plan for the GPU or TPU").
+# Without remat the five are per layer and token (as COEFFICIENTS); with remat, those of the one block being
+# recomputed, beside every other block's input (D x compute bytes a token: backward_bytes' layer path).
+# Fit errors (worst of 20 steps, 5 shapes x 4 token counts): 6.8%, 4.1%; remat 27.8%, 15.5%. TPU: not fitted
+# (its padded layouts do not follow these terms: 21-49% off); a TPU target is planned on COEFFICIENTS.
+ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] = {
+    "gpu": {(False, False): (0.0, 22.04, 8.56, 7.74, 0.0), (False, True): (0.0, 11.41, 0.03, 7.97, 0.0),
+            (True, False): (0.0, 0.0, 10.23, 4.97, 0.0), (True, True): (0.0, 0.0, 0.07, 7.72, 0.0)},
+}
+
 # Update-phase temporaries in units of 4N, and in units of 4H for Muon's hidden matrices; keyed by 8-bit
 # state (module docstring).
 UPDATE_TEMPS = {False: 1.0, True: 2.3}
@@ -165,9 +179,14 @@ def device_breakdown(
     else:
         n = count_params(shape)
         accumulation = 4 * n + 8 if accumulating else 0
-        activations, logits = backward_bytes(
-            shape, micro_batch * seq_len, seq_len, astuple(COEFFICIENTS[(remat and not ideal, mixed, devices > 1)]),
-            astuple(COEFFICIENTS[(False, mixed, devices > 1)]) if ideal else None, 2 if mixed else 4, loss_chunk, platform)
+        if platform in ACCEL_COEFFICIENTS:  # the target compiler's own fit (remat: one block recomputed)
+            coefficients = ACCEL_COEFFICIENTS[platform][(remat, mixed)]
+            per_layer = coefficients if remat else None
+        else:
+            coefficients = astuple(COEFFICIENTS[(remat and not ideal, mixed, devices > 1)])
+            per_layer = astuple(COEFFICIENTS[(False, mixed, devices > 1)]) if ideal else None
+        activations, logits = backward_bytes(shape, micro_batch * seq_len, seq_len, coefficients, per_layer,
+                                             2 if mixed else 4, loss_chunk, platform)
         out = {
             "params": 4 * n,
             "gradients": 4 * n,

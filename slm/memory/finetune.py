@@ -196,17 +196,18 @@ def backward_bytes(shape: ModelShape, tokens: int, seq_len: int, coefficients: t
     The logits are those of `loss_chunk` vocabulary entries at a time (slm.model.sizing.logit_columns)."""
     L, D, F, H = shape.n_layers, shape.d_model, shape.d_ff, shape.n_heads
     V = logit_columns(shape.vocab_size, loss_chunk, platform)
-    a, b, c, e = coefficients
+    a, b, c, e = coefficients[:4]
+    fixed = coefficients[4] if len(coefficients) > 4 else 0.0  # an accelerator's constant (ACCEL_COEFFICIENTS)
     # Chunked, XLA:CPU keeps ~64 bytes per token per unit of D beyond the chunk's logits (the loop's float32
     # dx carry and its operands): fitted to 5 shapes, 1M-30M params, vocab 2,048-32,000 (docs/memory.md).
     logits = tokens * (V * e + (CHUNKED_BYTES_PER_D * D if V < shape.vocab_size else 0))
     qk = QK_NORM_BYTES * (H + shape.kv_heads) * shape.head_dim if shape.qk_norm else 0  # Qwen3's q/k norms
     per_layer = a * D + b * F + c * H * seq_len + qk
     if layer_coefficients is not None:
-        a1, b1, c1, _ = layer_coefficients
+        a1, b1, c1 = layer_coefficients[:3]
         per_token = (L - 1) * D * compute_bytes + a1 * D + b1 * F + c1 * H * seq_len + qk
-        return int(tokens * per_token), int(logits)
-    return int(tokens * L * per_layer), int(logits)
+        return int(tokens * per_token + fixed), int(logits)
+    return int(tokens * L * per_layer + fixed), int(logits)
 
 
 def lora_breakdown(shape: ModelShape, ft: Finetune, seq_len: int, micro_batch: int, *, mixed_precision: bool,

@@ -240,11 +240,17 @@ def changes(before: Config, after: Config) -> str:
     return " ".join(out)
 
 
-def plan_main(config: Config, log: Log = print) -> dict:
-    """--plan-for: compile the run's device programs for the target, print the table, write plan.json; returns
-    the plan, or raises ConfigError (exit 2) naming the program that does not fit and the smallest change
-    that does (checked by compiling it)."""
-    c = dataclasses.replace(config)
+def plan_for(target_name: str, log: Log = print, train_only: bool = False, **config: Any) -> dict:
+    """A notebook's --plan-for: `Config(**config)` planned for `target_name`, every device program compiled for
+    it (the train step alone with `train_only`); returns the plan (plan.json's dict, verdicts in "programs")
+    without writing a file or refusing. With auto_fit=True the setting is chosen for the target (None
+    "setting" when nothing fits)."""
+    c = Config(plan_for=target_name, **{"use_streaming": True, **config})
+    return _plan(c, log, train_only)[0]
+
+
+def _plan(c: Config, log: Log, train_only: bool = False) -> tuple[dict, tuple]:
+    """(the plan, (its resolved config, shape, devices, target, usable MB)) of --plan-for."""
     target = load_target(c.plan_for)
     usable, why = target.usable_mb()
     shape = plan_shape(c)
@@ -255,32 +261,41 @@ def plan_main(config: Config, log: Log = print) -> dict:
     log(f"[plan] {target.name}: {target.count} x {target.facts['device']}, {target.device_mb:,.0f} MB each; a "
         f"program may use {usable:,.0f} MB ({why}); a verdict keeps {MARGIN:.0%} of it free (autotuned kernels' "
         f"workspaces, fragmentation: what a compile-only build cannot see)")
-    if c.auto_fit:
-        with compile_only():
+    plan = {"target": target.name, "device": target.facts["device"], "devices": target.count,
+            "usable_mb": round(usable, 1), "usable_is": why, "margin": MARGIN}
+    with compile_only():
+        if c.auto_fit:
             found = search(c, shape, devices, target, usable, (), log)
-        if found is None:
-            raise ConfigError(f"--plan-for {target.name} --auto-fit: none of the {SEARCH} fastest settings that keep "
-                              f"the effective batch fits once compiled; lower --seq-len, use --lora-rank or a lower "
-                              f"--base-dtype, or a larger target")
-        chosen, rows = found
-        log(f"[auto-fit] chosen for {target.name}: {changes(c, chosen) or 'the settings as given'} (the fastest "
-            f"predicted setting whose every program fits once compiled)")
-        c = chosen
-    else:
-        with compile_only():
-            rows = compile_programs(c, shape, devices, target)
+            if found is None:
+                return {**plan, "setting": None, "programs": []}, (c, shape, devices, target, usable)
+            chosen, rows = found
+            log(f"[auto-fit] chosen for {target.name}: {changes(c, chosen) or 'the settings as given'} (the fastest "
+                f"predicted setting whose every program fits once compiled)")
+            c = chosen
+        else:
+            rows = compile_programs(c, shape, devices, target, train_only)
     programs = verdicts(rows, planned_mb(c, shape, target), usable)
     for line in table(programs):
         log(line)
-    plan = {"target": target.name, "device": target.facts["device"], "devices": target.count,
-            "usable_mb": round(usable, 1), "usable_is": why, "margin": MARGIN,
-            "setting": setting_of(c, shape), "programs": [dataclasses.asdict(p) for p in programs],
-            "compile_s": round(time.time() - t0, 1)}
+    plan.update({"setting": setting_of(c, shape), "programs": [dataclasses.asdict(p) for p in programs],
+                 "compile_s": round(time.time() - t0, 1)})
+    return plan, (c, shape, devices, target, usable)
+
+
+def plan_main(config: Config, log: Log = print) -> dict:
+    """--plan-for: compile the run's device programs for the target, print the table, write plan.json; returns
+    the plan, or raises ConfigError (exit 2) naming the program that does not fit and the smallest change
+    that does (checked by compiling it)."""
+    plan, (c, shape, devices, target, usable) = _plan(dataclasses.replace(config), log)
+    if plan["setting"] is None:
+        raise ConfigError(f"--plan-for {target.name} --auto-fit: none of the {SEARCH} fastest settings that keep "
+                          f"the effective batch fits once compiled; lower --seq-len, use --lora-rank or a lower "
+                          f"--base-dtype, or a larger target")
     out = c.output_dir or os.path.join("runs", f"plan-{target.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
     write_json(os.path.join(out, "plan.json"), plan)
     log(f"[plan] written {os.path.join(out, 'plan.json')} ({plan['compile_s']:.0f} s of compiling)")
-    bad = next((p for p in programs if not p.fits), None)
+    bad = next((Program(**p) for p in plan["programs"] if not p["fits"]), None)
     if bad is not None:
         raise ConfigError(refusal(c, shape, devices, target, usable, bad, log))
     return plan
