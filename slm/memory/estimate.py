@@ -130,6 +130,9 @@ ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] = {
 # state (module docstring).
 UPDATE_TEMPS = {False: 1.0, True: 2.3}
 MUON_UPDATE_TEMPS = {False: 2.8, True: 1.85}
+# XLA:GPU fuses Newton-Schulz's elementwise steps: 1.92 matrix-sized temporaries (float32 momentum), read from the
+# H100 step of a 350M model at seq 512, where the update is the peak (bench/plan_for_xla.py sweep); 8-bit: CPU's.
+GPU_MUON_UPDATE_TEMPS = {False: 1.92, True: MUON_UPDATE_TEMPS[True]}
 
 # Host RSS terms (MB), fitted to 24 trainer runs (module docstring). Post-compile RSS after the heap's trim:
 # float32 4/9/15/20 layers 387-394/415-429/451-486/488-517; 8-bit adds 15-80 (1M-100M params).
@@ -198,7 +201,7 @@ def device_breakdown(
         }
     lora = finetune is not None and finetune.lora_rank is not None
     out["update"] = update_bytes(shape, n, bool(use_8bit_optimizer), "adamw" if lora else optimizer,
-                                 1 if fsdp else devices)
+                                 1 if fsdp else devices, platform)
     if platform != "cpu":
         out["runtime"] = int(GPU_RUNTIME_MB * MB)
     if fsdp and devices > 1:
@@ -213,12 +216,14 @@ def device_breakdown(
     return out
 
 
-def update_bytes(shape: ModelShape, trained: int, use_8bit: bool, optimizer: str = "adamw", shared: int = 1) -> int:
+def update_bytes(shape: ModelShape, trained: int, use_8bit: bool, optimizer: str = "adamw", shared: int = 1,
+                 platform: str = "cpu") -> int:
     """The optimizer update's temporaries (module docstring): AdamW's on every trained parameter, plus Muon's
     Newton-Schulz buffers on the hidden matrices, whose work `shared` data-parallel devices split between them
     (slm.optim.muon: 50M params on 2 devices, XLA 1,221 MB/device, this 1,220; on one 1,464 and 1,469)."""
     hidden = sum(a * b for a, b in hidden_matrix_shapes(shape)) if optimizer == "muon" else 0
-    return int(4 * (UPDATE_TEMPS[use_8bit] * trained + MUON_UPDATE_TEMPS[use_8bit] * hidden / max(shared, 1)))
+    muon = (GPU_MUON_UPDATE_TEMPS if platform == "gpu" else MUON_UPDATE_TEMPS)[use_8bit]
+    return int(4 * (UPDATE_TEMPS[use_8bit] * trained + muon * hidden / max(shared, 1)))
 
 
 class MemoryEstimate(dict):

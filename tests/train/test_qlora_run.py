@@ -71,3 +71,18 @@ def test_qlora_resumes_exactly_and_exports_the_dequantised_merge(tmp_path, data_
         on_original = tuned(torch.tensor(ids)).logits.numpy()
     # the adapters on the unquantised base: the merged model up to NF4's rounding of the base
     assert np.abs(on_original - theirs).max() < np.abs(first - theirs).max() + 1e-3
+
+    # generate.py samples from the base as trained (NF4 codes and adapters, no float32 copy): its decoder's
+    # logits are the folded, dequantised model's (an independent reference), and the command runs
+    from slm.model.decode import decode, init_cache
+
+    held = load_run(str(whole), held_base=True)
+    assert any("nf4_codes" in str(p) for p, _ in jax.tree_util.tree_flatten_with_path(held.params)[0])
+    prompt = np.asarray([held.special.start + held.tokenizer.encode("ROMEO: to be", add_special_tokens=False).ids])
+    got = decode(Transformer(held.shape, lora=held.lora, nf4=True), held.params, prompt,
+                 init_cache(held.shape, 1, 64), 0)[0]
+    want = decode(Transformer(run.shape), run.params, prompt, init_cache(run.shape, 1, 64), 0)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=0)
+    from generate import main as generate_main
+
+    assert generate_main(["--run", str(whole), "--prompt", "ROMEO:", "--max-new-tokens", "8", "--temperature", "0"]) == 0
