@@ -229,7 +229,8 @@ def main() -> None:
     s = sub.add_parser("sweep")
     s.add_argument("--target", default="h100-80gb")
     s.add_argument("--rows", default="scratch,lora,qlora,full")
-    s.add_argument("--models", default=",".join(sorted(os.listdir(MODELS)) if os.path.isdir(MODELS) else []))
+    s.add_argument("--models", default=",".join(sorted(m for m in os.listdir(MODELS) if os.path.isdir(
+        os.path.join(MODELS, m)))) if os.path.isdir(MODELS) else "")
     sub.add_parser("sampler")
     f = sub.add_parser("fit")
     f.add_argument("--target", default="h100-80gb")

@@ -154,13 +154,16 @@ def attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mas
     return jnp.einsum("bgrqs,bsgk->bqgrk", probs, v_BxSxGxK).reshape(B, L, H, K)
 
 
-def fused_attention_fits(dtype: Dtype, platform: str | None = None) -> bool:
-    """cuDNN's fused (flash) attention for one causal sequence: on GPUs, in bf16 or fp16 (the kernel's dtypes).
+def fused_attention_fits(dtype: Dtype, platform: str | None = None, head_dim: int = 64) -> bool:
+    """cuDNN's fused (flash) attention for one causal sequence: on GPUs, in bf16 or fp16 (the kernel's dtypes),
+    for heads of at most 128 in multiples of 8 (jax refuses others: Gemma 3's 256 takes the einsum attention;
+    found by --plan-for, which compiles the GPU's program).
     It never materialises the (L, L) scores: at 85M params, seq 1024 on an H100 the einsum attention held
     ~20 GB of activations and ran at 0.36x nanoGPT's tokens/s (docs/performance.md). CPUs keep the einsum
     attention, which measured as fast as jax.nn.dot_product_attention's XLA version there."""
     platform = platform or jax.default_backend()  # --plan-for compiles a GPU's program on a CPU
-    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and platform == "gpu"
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and platform == "gpu"
+            and head_dim <= 128 and head_dim % 8 == 0)
 
 
 class Attention(nn.Module):
@@ -184,7 +187,7 @@ class Attention(nn.Module):
         else:  # packed documents kept apart (document_layout)
             pos_BxL, mask = layout
             q, k = rotary_positions(q, pos_BxL, *rope), rotary_positions(k, pos_BxL, *rope)
-        if layout is None and not window and fused_attention_fits(self.dtype, self.platform):
+        if layout is None and not window and fused_attention_fits(self.dtype, self.platform, K):
             out_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=self.shape.query_scale,
                                                        implementation="cudnn")
         else:

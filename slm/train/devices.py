@@ -101,6 +101,7 @@ def start_backend() -> None:
     alone: with jax's CUDA plugin or libtpu installed (the --plan-for extras) jax would otherwise try each at
     start and print pages of warnings, and the plugin's native greeting ("Could not find cuda drivers") is held
     back. A backend already running, or one the user chose, is left as it is."""
+    import_jax_quietly()
     import jax
     from jax._src import xla_bridge
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from slm.errors import ConfigError, first_line
 from slm.io.atomic import write_json
-from slm.memory.estimate import estimate_memory_usage
+from slm.memory.estimate import estimate_memory_usage, parse_size
 from slm.memory.finetune import Finetune, model_shape
 from slm.memory.fit import fit_candidates
 from slm.memory.targets import Target, load_target
@@ -66,6 +66,9 @@ def plan_shape(c: Config) -> ModelShape:
                             c.d_model, c.n_heads)
     if os.path.isdir(c.init_from):
         return model_shape(c.init_from)
+    if os.path.exists(c.init_from) or c.init_from.startswith((".", "/", "~")):
+        raise ConfigError(f"--init-from {c.init_from}: not a folder; pass a Hugging Face model folder (only its "
+                          f"config.json is read) or a hub id")
     try:
         from huggingface_hub import hf_hub_download
 
@@ -152,8 +155,12 @@ def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target
     if c.batch_size % len(devices):
         raise ConfigError(f"--batch-size {c.batch_size} does not split evenly over the {len(devices)} devices of "
                           f"{target.name}; use a multiple of {len(devices)}")
-    built = build(dataclasses.replace(StepSpec.from_config(c, shape), platform=target.platform),
-                  Mesh(np.array(devices), ("data",)))
+    try:
+        built = build(dataclasses.replace(StepSpec.from_config(c, shape), platform=target.platform),
+                      Mesh(np.array(devices), ("data",)))
+    except (NotImplementedError, ValueError) as e:  # e.g. a kernel the target's jax refuses for this shape
+        raise ConfigError(f"--plan-for {target.name}: this run cannot be built for the target "
+                          f"({type(e).__name__}: {first_line(e)[:200]})") from None
     resident = device_bytes(built.abstract) + (device_bytes(built.base_abstract) if built.base_abstract else 0)
     accumulate = f"micro-batch {c.batch_size} x {c.gradient_accumulation_steps}"
     train = lambda: [measure("train step", lambda: compile_step(built)[0], 0, accumulate, target)]  # noqa: E731
@@ -253,6 +260,8 @@ def _plan(c: Config, log: Log, train_only: bool = False) -> tuple[dict, tuple]:
     """(the plan, (its resolved config, shape, devices, target, usable MB)) of --plan-for."""
     target = load_target(c.plan_for)
     usable, why = target.usable_mb()
+    if c.memory_budget and parse_size(c.memory_budget) / MB < usable:  # the user's cap on the device, honoured
+        usable, why = parse_size(c.memory_budget) / MB, f"--memory-budget {c.memory_budget}, below {why}"
     shape = plan_shape(c)
     c = resolved_for(c, shape, target.platform)
     t0 = time.time()

@@ -97,3 +97,22 @@ def test_a_cpu_run_with_the_compilers_installed_prints_nothing_new(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert run.returncode == 0 and run.stdout.split() == ["cpu", "2.0"], run.stderr
     assert run.stderr == ""
+
+
+@pytest.mark.slow
+def test_a_head_wider_than_cudnn_takes_takes_the_einsum_attention_on_a_gpu(tmp_path):
+    """Gemma 3's heads are 256 wide; jax's cuDNN attention takes at most 128, and refused the model on a GPU
+    (NotImplementedError at the first step) until --plan-for compiled one. Now it plans, and fits."""
+    import jax.numpy as jnp
+
+    from slm.model.transformer import fused_attention_fits
+
+    assert fused_attention_fits(jnp.bfloat16, "gpu", 128) and not fused_attention_fits(jnp.bfloat16, "gpu", 256)
+    config = json.loads((ROOT.parent / "shared" / "models" / "gemma-3-1b" / "config.json").read_text())
+    config.update(num_hidden_layers=6, vocab_size=1024)  # Gemma 3 1B's heads (256 wide); layer 6 is global
+    (tmp_path / "gemma").mkdir()
+    (tmp_path / "gemma" / "config.json").write_text(json.dumps(config))
+    plan = plan_main(Config(use_streaming=True, plan_for="a10g-24gb", init_from=str(tmp_path / "gemma"), seq_len=128,
+                            batch_size=2, use_mixed_precision=True, output_dir=str(tmp_path / "plan")),
+                     log=lambda *_: None)
+    assert all(p["fits"] for p in plan["programs"]), plan["programs"]
