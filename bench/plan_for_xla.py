@@ -28,7 +28,6 @@ from slm.train.devices import import_jax_quietly  # noqa: E402
 
 import_jax_quietly()
 
-from slm.memory.estimate import estimate_memory_usage  # noqa: E402
 from slm.memory.targets import load_target  # noqa: E402
 from slm.train.config import Config  # noqa: E402
 
@@ -62,19 +61,17 @@ def rows(kinds: list[str], models: list[str]) -> list[tuple[str, dict]]:
 
 
 def estimate_device_mb(c: Config, shape, target) -> float:
-    """The arithmetic's device figure without its runtime term (what XLA's buffer assignment covers)."""
-    lora = {} if c.lora_rank is None else {"model": shape, "lora_rank": c.lora_rank, "base_dtype": c.base_dtype,
-                                           "lora_targets": ["q_proj", "v_proj"]}
-    est = estimate_memory_usage(0, c.seq_len, c.batch_size, shape=None if lora else shape,
-                                mixed_precision=c.use_mixed_precision, gradient_checkpointing=c.gradient_checkpointing,
-                                devices=target.count, platform=target.platform, sharding=c.sharding,
-                                optimizer=c.optimizer, loss_chunk=c.loss_chunk, **lora)
-    return est["device_total_mb"] - est.get("runtime_mb", 0.0)
+    """--plan-for's planned figure less its runtime term (the CUDA context, which XLA's buffers do not hold)."""
+    from slm.memory.finetune import GPU_RUNTIME_MB
+    from slm.train.plan_for import planned_mb
+
+    return planned_mb(c, shape, target) - (GPU_RUNTIME_MB if target.platform != "cpu" else 0.0)
 
 
 def sweep(a: argparse.Namespace) -> None:
     from slm.train.aot import compile_only, target_devices
     from slm.train.devices import start_backend
+    from slm.model.sizing import count_params
     from slm.train.plan_for import compile_programs, plan_shape, resolved_for
 
     start_backend()
@@ -90,7 +87,6 @@ def sweep(a: argparse.Namespace) -> None:
         c = dataclasses.replace(c, batch_size=c.batch_size * target.count)
         shape = plan_shape(c)
         c = resolved_for(c, shape, target.platform)
-        n = shape
         est = estimate_device_mb(c, shape, target)
         if target.count > 1 and est > 0.8 * target.usable_mb()[0]:
             c = dataclasses.replace(c, sharding="fsdp")
@@ -98,15 +94,13 @@ def sweep(a: argparse.Namespace) -> None:
         t0 = time.time()
         with compile_only():
             _, xla, note, _ = compile_programs(c, shape, devices, target, train_only=True)[0]
-        from slm.model.sizing import count_params
-
         if xla is None or xla != xla or xla == float("inf"):
-            print(f"| {name} | {count_params(n) / 1e6:,.0f}M | {c.sharding} | {est:,.0f} | - ({note}) | - | "
+            print(f"| {name} | {count_params(shape) / 1e6:,.0f}M | {c.sharding} | {est:,.0f} | - ({note}) | - | "
                   f"{time.time() - t0:.0f} |", flush=True)
             continue
         ratio = est / xla
         worst = max(worst, (abs(ratio - 1), name))
-        print(f"| {name} | {count_params(n) / 1e6:,.0f}M | {c.sharding} | {est:,.0f} | {xla:,.0f} | {ratio:.3f} "
+        print(f"| {name} | {count_params(shape) / 1e6:,.0f}M | {c.sharding} | {est:,.0f} | {xla:,.0f} | {ratio:.3f} "
               f"({(ratio - 1) * 100:+.1f}%) | {time.time() - t0:.0f} |", flush=True)
     print(f"\nworst row: {worst[1]} ({worst[0] * 100:.1f}% off)")
 
@@ -125,7 +119,8 @@ def sampler(a: argparse.Namespace) -> None:
     from slm.train.aot import compile_only, target_devices
     from slm.train.builder import StepSpec, build
     from slm.train.devices import start_backend
-    from slm.train.plan_for import MB, compile_programs, device_bytes, plan_shape, program_peak, resolved_for
+    from slm.train.builder import compiled_peak as program_peak
+    from slm.train.plan_for import MB, compile_programs, device_bytes, plan_shape, resolved_for
 
     start_backend()
     target = load_target("a10g-24gb")
@@ -191,7 +186,7 @@ def fit(a: argparse.Namespace) -> None:
     from slm.train.aot import compile_only, target_devices
     from slm.train.builder import StepSpec, build, compile_step
     from slm.train.devices import start_backend
-    from slm.train.plan_for import program_peak
+    from slm.train.builder import compiled_peak as program_peak
 
     start_backend()
     target = load_target(a.target)

@@ -99,14 +99,6 @@ def device_bytes(tree: Any) -> int:
     return sum(one(x) for x in jax.tree.leaves(tree))
 
 
-def program_peak(compiled: Any) -> float:
-    """XLA's peak bytes per device of a compiled program: its own peak figure where the backend gives one (the
-    TPU's temp size reads 0 although its peak holds temporaries), else arguments + outputs + temps - aliased."""
-    m = compiled.memory_analysis()
-    summed = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    return float(max(getattr(m, "peak_memory_in_bytes", 0) or 0, summed))
-
-
 def too_big(e: Exception) -> tuple[float, str] | None:
     """A compile that ran out of the target's memory: (the MB XLA says it needs, or nan; XLA's words), None for
     any other failure. libtpu says e.g. "the total memory required for HLO temporaries (17.04G) exceeds
@@ -125,9 +117,11 @@ def too_big(e: Exception) -> tuple[float, str] | None:
 def measure(name: str, compile_it: Callable[[], Any], beside: int, note: str, target: Target) -> tuple:
     """(name, MB per device, note, seconds) of one program: XLA's peak plus `beside` bytes that stay resident
     next to it; a compile that runs out of the target's memory does not fit (its figure where XLA gives one)."""
+    from slm.train.builder import compiled_peak
+
     t0 = time.time()
     try:
-        return name, (program_peak(compile_it()) + beside) / MB, note, time.time() - t0
+        return name, (compiled_peak(compile_it()) + beside) / MB, note, time.time() - t0
     except Exception as e:  # noqa: BLE001 - out of the target's memory at compile time: it does not fit
         asked, took = too_big(e), time.time() - t0
         if asked is None:
