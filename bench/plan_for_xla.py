@@ -3,6 +3,9 @@
     .venv/bin/python bench/plan_for_xla.py sweep --target h100-80gb [--rows scratch,lora,qlora,full] [--models ...]
     .venv/bin/python bench/plan_for_xla.py sampler        # seed 002's QLoRA sampler on an A10G: before / after
     .venv/bin/python bench/plan_for_xla.py seed002        # seed 002's settings on an A10G 24 GB, and a 1B on v5e-8
+    .venv/bin/python bench/plan_for_xla.py device-plan --out bench/out/plan.json    # --plan-for h100-80gb, here
+    python3 bench/plan_for_xla.py device --out $OUT/device.json          # on a lent GPU: compiled there, and run
+    .venv/bin/python bench/plan_for_xla.py device-compare bench/out/plan.json bench/out/device.json [more.json]
 
 `sweep`: each row is the trainer's train step for the target (slm.train.plan_for.compile_programs, the program
 --plan-for compiles), against estimate_memory_usage(..., platform=the target's)'s device figure less its
@@ -11,14 +14,26 @@ runtime term (the CUDA context, which XLA's buffers do not hold). From scratch a
 bf16 base, QLoRA (nf4 base) and full fine-tunes (Muon) of every config.json in ../shared/models (1 sequence of
 512 a device, remat, bf16 compute). On a several-device target, runs whose state does not fit one device are
 FSDP. Prints a markdown table; the goal is within +-10% on every row.
+
+`device-plan` / `device` / `device-compare`: --plan-for's compile-only figures against a real GPU. Each row
+(DEVICE_ROWS) is a run --plan-for h100-80gb plans (slm.train.plan_for.compile_programs: train step, eval step,
+sampler prefill and decode step, each XLA's peak per device plus the state resident beside it). `device-plan`
+compiles them here for compile-only H100 devices. `device`, on a machine with a GPU, compiles the same programs
+for that GPU (autotuning on, its cuDNN), places the resident state (zeros), reads the allocator's peak, then runs
+the programs in the trainer's order (train step twice with the state donated, eval, prefill, decode) and reads
+it after each: what a run of that setting holds. Each row runs in its own process (`device-row`), so each peak is
+that row's. `device-compare` prints the plan's figure and the device compile's for the train step and the
+largest program, against the measured peak.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -218,6 +233,177 @@ def fit(a: argparse.Namespace) -> None:
                   f"worst {np.abs(err).max() * 100:.1f}% over {len(y)}", flush=True)
 
 
+DEVICE_FT = dict(seq_len=512, batch_size=1, gradient_checkpointing=True)
+DEVICE_ROWS = {  # name: Config keywords (bf16 compute, the default optimizer, as bench/plan_for_xla.py's sweep)
+    "10M scratch seq 512 x 8": dict(target_params=10_000_000, seq_len=512, batch_size=8),
+    "100M scratch seq 2048 x 8": dict(target_params=100_000_000, seq_len=2048, batch_size=8),
+    "350M scratch seq 2048 x 8": dict(target_params=350_000_000, seq_len=2048, batch_size=8),
+    "Qwen3-0.6B LoRA r16 bf16 base": dict(init_from="qwen3-0.6b", lora_rank=16, base_dtype="bfloat16", **DEVICE_FT),
+    "Qwen3-0.6B QLoRA r16 nf4": dict(init_from="qwen3-0.6b", lora_rank=16, base_dtype="nf4", **DEVICE_FT),
+    "Qwen3-0.6B QLoRA r16 nf4, seq 256": dict(init_from="qwen3-0.6b", lora_rank=16, base_dtype="nf4",
+                                              **{**DEVICE_FT, "seq_len": 256}),
+    "SmolLM2-135M QLoRA r16 nf4": dict(init_from="smollm2-135m", lora_rank=16, base_dtype="nf4", **DEVICE_FT),
+    "Llama-3.2-1B full fine-tune": dict(init_from="llama-3.2-1b", **DEVICE_FT),
+    "Mistral-7B QLoRA seed 002 (1 x 256, remat)": dict(init_from="mistral-7b-v0.1", lora_rank=16, base_dtype="nf4",
+                                                        seq_len=256, batch_size=1, gradient_checkpointing=True),
+}
+DEVICE_TARGET = "h100-80gb"
+
+
+def device_config(name: str, models: str):
+    from slm.train.config import Config
+    from slm.train.plan_for import plan_shape, resolved_for
+
+    kw = dict(DEVICE_ROWS[name])
+    if "init_from" in kw:
+        kw["init_from"] = os.path.join(models, kw["init_from"])
+    c = Config(use_streaming=True, plan_for=DEVICE_TARGET, use_mixed_precision=True, **kw)
+    shape = plan_shape(c)
+    return resolved_for(c, shape, "gpu"), shape
+
+
+def device_chosen(rows: str) -> list[str]:
+    """The rows whose name holds one of the comma-separated `rows` (all when empty)."""
+    return [n for n in DEVICE_ROWS if not rows or any(r in n for r in rows.split(","))]
+
+
+def device_plan(a: argparse.Namespace) -> None:
+    from slm.train.aot import compile_only, target_devices
+    from slm.train.devices import start_backend
+    from slm.train.plan_for import compile_programs
+
+    start_backend()
+    target = load_target(DEVICE_TARGET)
+    devices, out = target_devices(target), {}
+    if a.rows and os.path.exists(a.out):  # more rows into a plan already made
+        with open(a.out) as f:
+            out = json.load(f)["rows"]
+    for name in device_chosen(a.rows):
+        c, shape = device_config(name, a.models)
+        with compile_only():
+            out[name] = {r[0]: r[1] for r in compile_programs(c, shape, devices, target)}
+        print(name, {k: round(v, 1) for k, v in out[name].items() if v is not None}, flush=True)
+    with open(a.out, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "target": DEVICE_TARGET, "rows": out}, f, indent=1)
+
+
+def zeros_for(compiled, first=None):
+    """Zero arguments for a compiled program, laid out as it expects; `first` stands in for its first argument
+    (the params the trainer shares with its state)."""
+    import jax
+    import numpy as np
+
+    args, _ = compiled.args_info
+    shardings, _ = compiled.input_shardings
+    rest = slice(0 if first is None else 1, None)  # never allocate a copy of what `first` stands in for
+    flat, tree = jax.tree.flatten(tuple(args[rest]), is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+    made = [jax.device_put(np.zeros(x.shape, x.dtype), s)
+            for x, s in zip(flat, jax.tree.leaves(tuple(shardings[rest])))]
+    made = tuple(jax.tree.unflatten(tree, made))
+    return made if first is None else (first, *made)
+
+
+def materialise(tree, device):
+    """Zeros for a tree of ShapeDtypeStructs, each on its sharding (or `device`)."""
+    import jax
+    import numpy as np
+
+    return jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), getattr(x, "sharding", None) or device),
+                        tree)
+
+
+def in_use(device, key: str = "peak_bytes_in_use") -> float:
+    """The allocator's figure in MB (nan where the backend keeps none, as on a CPU)."""
+    return (device.memory_stats() or {}).get(key, float("nan")) / 2**20
+
+
+def device_row(name: str, models: str) -> dict:
+    """Compile the row's programs for this machine's GPU, run them on zeros, read the allocator's peak."""
+    import jax
+    import numpy as np
+
+    from slm.memory.targets import load_target
+    from slm.model.lora import merge
+    from slm.train.builder import compiled_peak
+    from slm.train.plan_for import MB, compile_programs
+
+    c, shape = device_config(name, models)
+    device = jax.devices()[0]
+    keep: dict = {}
+    target = load_target(DEVICE_TARGET)
+    if device.platform == "cpu":  # a dry run of this script's own code, here
+        target = dataclasses.replace(target, platform="cpu")
+    compiled = {r[0]: r[1] for r in compile_programs(c, shape, [device], target, keep=keep)}
+    built, peaks = keep["built"], {}
+    step = keep["train step"]
+    batch = {k: jax.ShapeDtypeStruct((c.batch_size, c.seq_len), np.int32, sharding=built.batch_sharding)
+             for k in ("input_ids", "targets")}  # compile_step's arguments, as the trainer passes them
+    base = () if built.base_abstract is None else (materialise(built.base_abstract, device),)
+    args = (materialise(built.abstract, device), materialise(batch, device), np.float32(0), *base)
+    jax.block_until_ready(args)
+    peaks["resident"] = in_use(device, "bytes_in_use")
+    peaks["placing the state"] = in_use(device)  # host-to-device transfers' own peak, before any program runs
+    for i in range(2):  # the state donated into the next step, as the trainer does
+        out = step(*args)
+        jax.block_until_ready(out)
+        args = (out[0], *args[1:])
+        peaks["train step" if i else "train step, first call"] = in_use(device)
+    state = args[0]
+    params = state.params if built.base_abstract is None else merge(args[-1], state.params)
+    for prog in ("eval step", "sample prefill", "sample decode step"):
+        out = keep[prog](*zeros_for(keep[prog], params))
+        jax.block_until_ready(out)
+        del out
+        peaks[prog] = in_use(device)
+    xla = {k: compiled_peak(v) / MB for k, v in keep.items() if k != "built"}
+    m = step.memory_analysis()
+    parts = {k: getattr(m, f"{k}_size_in_bytes") / MB for k in ("argument", "output", "temp", "alias")}
+    return {"device": device.device_kind, "jax": jax.__version__, "compiled_mb": compiled, "xla_peak_mb": xla,
+            "measured_peak_mb": peaks, "train_step_parts_mb": parts,
+            "bytes_limit_mb": in_use(device, "bytes_limit")}
+
+
+def device(a: argparse.Namespace) -> None:
+    out = {"date": time.strftime("%Y-%m-%d %H:%M"), "rows": {}}
+    for name in device_chosen(a.rows):
+        t0 = time.time()
+        p = subprocess.run([sys.executable, __file__, "device-row", name, "--models", a.models], capture_output=True,
+                           text=True, timeout=a.row_timeout)
+        last = p.stdout.strip().splitlines()[-1:] if p.returncode == 0 else []
+        out["rows"][name] = json.loads(last[0]) if last else {"error": p.stderr[-2000:]}
+        print(f"{name}: {time.time() - t0:.0f}s", json.dumps(out["rows"][name])[:600], flush=True)
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def device_compare(a: argparse.Namespace) -> None:
+    with open(a.plan) as f:
+        planned = json.load(f)
+    measured: dict = {"rows": {}}
+    for path in a.device:  # a later file's row replaces an earlier one's
+        with open(path) as f:
+            more = json.load(f)
+        measured = {"date": more["date"], "rows": {**measured["rows"], **more["rows"]}}
+    kinds = {r.get("device") for r in measured["rows"].values()} - {None}
+    print(f"plan {planned['date']} (compile-only {planned['target']}, this CPU); device {measured['date']} "
+          f"({', '.join(sorted(kinds))})\n")
+    print("| run | train step: plan MB | device compile MB | largest program: plan MB | device compile MB | "
+          "measured peak MB | peak before the first program | measured / plan | measured / device compile |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, row in measured["rows"].items():
+        if "error" in row:
+            print(f"| {name} | failed: {row['error'].strip().splitlines()[-1][:120]} |||||||")
+            continue
+        plan_row = planned["rows"][name]
+        programs = [k for k in row["xla_peak_mb"] if plan_row.get(k) is not None]
+        p, d = max(plan_row[k] for k in programs), max(row["compiled_mb"][k] for k in programs)
+        mb = max(row["measured_peak_mb"].values())  # the allocator's peak over the whole process
+        placing = row["measured_peak_mb"].get("placing the state")  # rows measured before it was read: "-"
+        before = "-" if placing is None else f"{placing:,.0f}"
+        print(f"| {name} | {plan_row['train step']:,.0f} | {row['compiled_mb']['train step']:,.0f} | {p:,.0f} | "
+              f"{d:,.0f} | {mb:,.0f} | {before} | {mb / p:.3f} | {mb / d:.3f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -231,8 +417,27 @@ def main() -> None:
     f.add_argument("--target", default="h100-80gb")
     f.add_argument("--verbose", action="store_true")
     f.add_argument("--only", default="", help="e.g. False,True: one (remat, mixed) pair")
+    for cmd in ("device-plan", "device"):
+        d = sub.add_parser(cmd)
+        d.add_argument("--out", required=True)
+        d.add_argument("--models", default=MODELS)
+        d.add_argument("--row-timeout", type=int, default=150)
+        d.add_argument("--rows", default="", help="only the rows whose name holds one of these (comma-separated)")
+    r = sub.add_parser("device-row")
+    r.add_argument("name")
+    r.add_argument("--models", default=MODELS)
+    c = sub.add_parser("device-compare")
+    c.add_argument("plan")
+    c.add_argument("device", nargs="+")
     a = p.parse_args()
-    {"sweep": sweep, "sampler": sampler, "fit": fit}[a.what](a)
+    if a.what == "device-row":
+        from slm.train.devices import start_backend
+
+        start_backend()
+        print(json.dumps(device_row(a.name, a.models)))
+        return
+    {"sweep": sweep, "sampler": sampler, "fit": fit, "device-plan": device_plan, "device": device,
+     "device-compare": device_compare}[a.what](a)
 
 
 if __name__ == "__main__":

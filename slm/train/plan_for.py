@@ -5,9 +5,11 @@ decode step at the longest sample. Each program's peak per device is XLA's buffe
 plus what stays resident beside it (the train state and a LoRA base that are not its arguments). No step
 is trained, no weight is read, no data is tokenized: `--init-from` needs only a config.json.
 
-The verdict keeps MARGIN of the memory jax gives a program (slm.memory.targets.Target.usable_mb) for what a
-compile-only build cannot see: the autotuner's choice of kernels and their cuBLAS/cuDNN workspaces (a
-deviceless compile does not autotune), and the allocator's fragmentation (docs/memory.md).
+The verdict keeps MARGINS[platform] of the memory jax gives a program (slm.memory.targets.Target.usable_mb)
+for what a compile-only build cannot see: the autotuner's choice of kernels and their cuBLAS/cuDNN workspaces
+(a deviceless compile does not autotune), another jax's compiler on the rented machine, and the allocator's
+fragmentation. On a GPU that is 15%: the same programs compiled on an H200 (jax 0.11.2) held up to 1.13x
+the compile-only figure (bench/plan_for_xla.py device, docs/memory.md).
 
 Two more parts of a run touch the device without a program of their own, and are reported as such: a
 checkpoint save copies the resident state to the host (no device buffer beyond the state), and exports
@@ -39,7 +41,7 @@ from slm.train.devices import start_backend
 
 Log = Callable[[str], None]
 MB = 2**20
-MARGIN = 0.10  # kept free of the usable memory: autotuned kernels' workspaces and fragmentation (docstring)
+MARGINS = {"gpu": 0.15, "tpu": 0.10}  # kept free of the usable memory (docstring); TPU's not measured on a device
 SEARCH = 6  # --auto-fit / the suggestion: compile at most this many of the fastest predicted settings
 LEVERS = ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "use_mixed_precision",
           "gradient_checkpointing", "base_dtype", "loss_chunk")
@@ -114,14 +116,19 @@ def too_big(e: Exception) -> tuple[float, str] | None:
     return need, f"XLA: its temporaries alone ({need:,.0f} MB) exceed the device's {have:,.0f} MB"
 
 
-def measure(name: str, compile_it: Callable[[], Any], beside: int, note: str, target: Target) -> tuple:
+def measure(name: str, compile_it: Callable[[], Any], beside: int, note: str, target: Target,
+            keep: dict | None = None) -> tuple:
     """(name, MB per device, note, seconds) of one program: XLA's peak plus `beside` bytes that stay resident
-    next to it; a compile that runs out of the target's memory does not fit (its figure where XLA gives one)."""
+    next to it; a compile that runs out of the target's memory does not fit (its figure where XLA gives one).
+    `keep`, when given, gets the executable under `name` (bench/plan_for_xla.py device runs it on a real GPU)."""
     from slm.train.builder import compiled_peak
 
     t0 = time.time()
     try:
-        return name, (compiled_peak(compile_it()) + beside) / MB, note, time.time() - t0
+        compiled = compile_it()
+        if keep is not None:
+            keep[name] = compiled
+        return name, (compiled_peak(compiled) + beside) / MB, note, time.time() - t0
     except Exception as e:  # noqa: BLE001 - out of the target's memory at compile time: it does not fit
         asked, took = too_big(e), time.time() - t0
         if asked is None:
@@ -129,11 +136,12 @@ def measure(name: str, compile_it: Callable[[], Any], beside: int, note: str, ta
         return name, asked[0] if asked[0] == asked[0] else math.inf, asked[1], took
 
 
-def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target, train_only: bool = False
-                     ) -> list[tuple[str, float | None, str, float]]:
+def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target, train_only: bool = False,
+                     keep: dict | None = None) -> list[tuple[str, float | None, str, float]]:
     """(program, XLA's peak MB per device with what stays resident beside it, note, compile seconds) for each
     device program of the run; train_only: the train step alone (the search's first filter). Two programs
-    compile at once (XLA compiles outside the GIL): the train step beside the eval step and the sampler."""
+    compile at once (XLA compiles outside the GIL): the train step beside the eval step and the sampler.
+    `keep` gets each executable by program name, and "built" (measure)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import jax
@@ -155,9 +163,11 @@ def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target
     except (NotImplementedError, ValueError) as e:  # e.g. a kernel the target's jax refuses for this shape
         raise ConfigError(f"--plan-for {target.name}: this run cannot be built for the target "
                           f"({type(e).__name__}: {first_line(e)[:200]})") from None
+    if keep is not None:
+        keep["built"] = built
     resident = device_bytes(built.abstract) + (device_bytes(built.base_abstract) if built.base_abstract else 0)
     accumulate = f"micro-batch {c.batch_size} x {c.gradient_accumulation_steps}"
-    train = lambda: [measure("train step", lambda: compile_step(built)[0], 0, accumulate, target)]  # noqa: E731
+    train = lambda: [measure("train step", lambda: compile_step(built)[0], 0, accumulate, target, keep)]  # noqa: E731
     if train_only:
         return train()
     params = built.abstract.params if built.base_abstract is None else merge(built.base_abstract, built.abstract.params)
@@ -168,11 +178,11 @@ def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target
 
     def others() -> list[tuple]:
         return [measure("eval step", lambda: make_eval_step(built.model).lower(params, *batch).compile(), beside,
-                        f"batch {c.batch_size} x {c.seq_len}", target),
+                        f"batch {c.batch_size} x {c.seq_len}", target, keep),
                 measure("sample prefill", lambda: decoder.compiled(params, 1, 1, new, 40)[0], beside,
-                        f"KV cache of {c.seq_len} positions", target),
+                        f"KV cache of {c.seq_len} positions", target, keep),
                 measure("sample decode step", lambda: decoder.compiled(params, 1, 1, new, 40)[1], beside,
-                        "one token, cache donated", target)]
+                        "one token, cache donated", target, keep)]
 
     with ThreadPoolExecutor(2) as pool:
         first, rest = pool.submit(train), pool.submit(others)
@@ -181,10 +191,15 @@ def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target
                     0.0)]
 
 
-def verdicts(rows: list, planned: float, usable: float) -> list[Program]:
+def limit_mb(target: Target, usable: float) -> float:
+    """The most a program may hold on `target` for the verdict: `usable` less the platform's margin."""
+    return usable * (1 - MARGINS[target.platform])
+
+
+def verdicts(rows: list, planned: float, usable: float, target: Target) -> list[Program]:
     out = []
     for name, peak, note, seconds in rows:
-        fits = None if peak is None else peak <= usable * (1 - MARGIN)
+        fits = None if peak is None else peak <= limit_mb(target, usable)
         out.append(Program(name, round(planned, 1) if name == "train step" else None,
                            None if peak is None or peak == math.inf else round(peak, 1), round(usable, 1), fits, note,
                            round(seconds, 1)))
@@ -209,7 +224,7 @@ def candidates(c: Config, shape: ModelShape, target: Target, usable: float, base
     finetune = None if c.lora_rank is None else Finetune(c.lora_rank, tuple(lora_target_list(c.lora_targets)),
                                                         c.base_dtype)
     found = fit_candidates(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, int(usable * MB),
-                           max_devices=target.count, platform=target.platform, data_mb=0.0, margin=MARGIN,
+                           max_devices=target.count, platform=target.platform, data_mb=0.0, margin=MARGINS[target.platform],
                            user=(c.use_8bit_optimizer, c.use_mixed_precision, c.gradient_checkpointing),
                            finetune=finetune, base_dtypes=base_dtypes if finetune else (), optimizer=c.optimizer,
                            loss_chunk=c.loss_chunk, checkpoint_sync="off")
@@ -222,9 +237,9 @@ def search(c: Config, shape: ModelShape, devices: list, target: Target, usable: 
     for i, f in enumerate(candidates(c, shape, target, usable, base_dtypes)[:SEARCH]):
         trial = dataclasses.replace(c, **{k: f[k] for k in LEVERS if k in f})
         rows = compile_programs(trial, shape, devices, target, train_only=True)
-        if all(r[1] is not None and r[1] <= usable * (1 - MARGIN) for r in rows):
+        if all(r[1] is not None and r[1] <= limit_mb(target, usable) for r in rows):
             rows = compile_programs(trial, shape, devices, target)
-            if all(r[1] is not None and r[1] <= usable * (1 - MARGIN) for r in rows):
+            if all(r[1] is not None and r[1] <= limit_mb(target, usable) for r in rows):
                 return trial, rows
         log(f"[plan] candidate {i + 1} ({changes(c, trial) or 'as given'}) does not fit once compiled")
     return None
@@ -262,10 +277,11 @@ def _plan(c: Config, log: Log, train_only: bool = False) -> tuple[dict, tuple]:
     start_backend()  # this process computes nothing: the CPU's backend, quietly, beside the compile-only devices
     devices = target_devices(target)
     log(f"[plan] {target.name}: {target.count} x {target.facts['device']}, {target.device_mb:,.0f} MB each; a "
-        f"program may use {usable:,.0f} MB ({why}); a verdict keeps {MARGIN:.0%} of it free (autotuned kernels' "
-        f"workspaces, fragmentation: what a compile-only build cannot see)")
+        f"program may use {usable:,.0f} MB ({why}); a verdict keeps {MARGINS[target.platform]:.0%} of it free "
+        f"(autotuned kernels' workspaces, the rented machine's jax, fragmentation: what a compile-only build cannot "
+        f"see)")
     plan = {"target": target.name, "device": target.facts["device"], "devices": target.count,
-            "usable_mb": round(usable, 1), "usable_is": why, "margin": MARGIN}
+            "usable_mb": round(usable, 1), "usable_is": why, "margin": MARGINS[target.platform]}
     with compile_only():
         if c.auto_fit:
             found = search(c, shape, devices, target, usable, (), log)
@@ -277,7 +293,7 @@ def _plan(c: Config, log: Log, train_only: bool = False) -> tuple[dict, tuple]:
             c = chosen
         else:
             rows = compile_programs(c, shape, devices, target, train_only)
-    programs = verdicts(rows, planned_mb(c, shape, target), usable)
+    programs = verdicts(rows, planned_mb(c, shape, target), usable, target)
     for line in table(programs):
         log(line)
     plan.update({"setting": setting_of(c, shape), "programs": [dataclasses.asdict(p) for p in programs],
@@ -310,8 +326,9 @@ def refusal(c: Config, shape: ModelShape, devices: list, target: Target, usable:
         return f"--plan-for {target.name}: the {bad.program} could not be compiled for the target here ({bad.note})"
     need = "more than the device has" if bad.xla_peak_mb is None else f"{bad.xla_peak_mb:,.0f} MB" + (
         " or more" if "alone" in bad.note else "")
-    head = (f"--plan-for {target.name}: the {bad.program} needs {need} per device, over {usable * (1 - MARGIN):,.0f} "
-            f"MB ({100 - MARGIN * 100:.0f}% of the {usable:,.0f} MB jax gives a program)")
+    head = (f"--plan-for {target.name}: the {bad.program} needs {need} per device, over "
+            f"{limit_mb(target, usable):,.0f} MB ({1 - MARGINS[target.platform]:.0%} of the {usable:,.0f} MB jax gives a "
+            f"program)")
     lowered = ("bfloat16", "nf4") if c.lora_rank is not None else ()
     with compile_only():
         found = search(c, shape, devices, target, usable, lowered, log)
