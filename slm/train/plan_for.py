@@ -34,7 +34,7 @@ from slm.memory.finetune import Finetune, model_shape
 from slm.memory.fit import fit_candidates
 from slm.memory.targets import Target, load_target
 from slm.model.sizing import ModelShape, choose_shape, count_params, default_dropout, default_learning_rate, \
-    default_loss_chunk, default_vocab_size
+    default_loss_chunk, default_optimizer, default_vocab_size
 from slm.train.aot import compile_only, target_devices
 from slm.train.config import Config, flag_name, lora_target_list
 from slm.train.devices import start_backend
@@ -85,7 +85,7 @@ def resolved_for(c: Config, shape: ModelShape, platform: str) -> Config:
     matmul = c.matmul_precision or "float32"  # bf16 products are the default on bf16-capable CPUs only
     return dataclasses.replace(
         c, learning_rate=c.learning_rate or default_learning_rate(count_params(shape)),
-        optimizer=c.optimizer or ("adamw" if c.lora_rank else "muon"), matmul_precision=matmul,
+        optimizer=c.optimizer or default_optimizer(c.lora_rank is not None, bool(c.init_from)), matmul_precision=matmul,
         loss_chunk=default_loss_chunk(shape.vocab_size, platform, matmul) if c.loss_chunk is None else c.loss_chunk,
         dropout=default_dropout(bool(c.init_from)) if c.dropout is None else c.dropout)
 
@@ -220,11 +220,13 @@ def planned_mb(c: Config, shape: ModelShape, target: Target) -> float:
 
 
 def candidates(c: Config, shape: ModelShape, target: Target, usable: float, base_dtypes: tuple[str, ...]) -> list[dict]:
-    """The settings --auto-fit ranks (same effective batch), fastest first, all on the target's devices."""
+    """The settings --auto-fit ranks (same effective batch), fastest first, all on the target's devices. The
+    arithmetic only ranks and drops what it puts over the usable memory (no margin: it over-estimates LoRA on a
+    GPU by up to 16%); the compile, with the margin, judges each one (search)."""
     finetune = None if c.lora_rank is None else Finetune(c.lora_rank, tuple(lora_target_list(c.lora_targets)),
                                                         c.base_dtype)
     found = fit_candidates(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, int(usable * MB),
-                           max_devices=target.count, platform=target.platform, data_mb=0.0, margin=MARGINS[target.platform],
+                           max_devices=target.count, platform=target.platform, data_mb=0.0, margin=0.0,
                            user=(c.use_8bit_optimizer, c.use_mixed_precision, c.gradient_checkpointing),
                            finetune=finetune, base_dtypes=base_dtypes if finetune else (), optimizer=c.optimizer,
                            loss_chunk=c.loss_chunk, checkpoint_sync="off")
@@ -233,14 +235,25 @@ def candidates(c: Config, shape: ModelShape, target: Target, usable: float, base
 
 def search(c: Config, shape: ModelShape, devices: list, target: Target, usable: float,
            base_dtypes: tuple[str, ...], log: Log) -> tuple[Config, list] | None:
-    """The fastest predicted setting whose every program fits once compiled for the target: (config, rows)."""
-    for i, f in enumerate(candidates(c, shape, target, usable, base_dtypes)[:SEARCH]):
+    """The fastest predicted setting whose every program fits once compiled for the target: (config, rows).
+    A setting the arithmetic puts at or above one that did not fit once compiled is passed over without a
+    compile (the arithmetic orders settings well even where its level is off): at most SEARCH compiles."""
+    limit, ceiling, tried = limit_mb(target, usable), math.inf, 0
+    for i, f in enumerate(candidates(c, shape, target, usable, base_dtypes)):
         trial = dataclasses.replace(c, **{k: f[k] for k in LEVERS if k in f})
+        planned = planned_mb(trial, shape, target)
+        if planned >= ceiling:
+            continue
+        if tried == SEARCH:
+            break
+        tried += 1
         rows = compile_programs(trial, shape, devices, target, train_only=True)
-        if all(r[1] is not None and r[1] <= limit_mb(target, usable) for r in rows):
+        if all(r[1] is not None and r[1] <= limit for r in rows):
             rows = compile_programs(trial, shape, devices, target)
-            if all(r[1] is not None and r[1] <= limit_mb(target, usable) for r in rows):
+            if all(r[1] is not None and r[1] <= limit for r in rows):
                 return trial, rows
+        else:
+            ceiling = min(ceiling, planned)
         log(f"[plan] candidate {i + 1} ({changes(c, trial) or 'as given'}) does not fit once compiled")
     return None
 
