@@ -10,6 +10,18 @@ from __future__ import annotations
 
 import sys
 
+if __name__ == "__main__":  # Ctrl-C while the imports run (jax takes ~1 s): one line and exit 130, no traceback
+    import os
+    import signal
+
+    _stderr = os.dup(2)  # the imports point fd 2 at /dev/null while jax's plugins load (quiet_native_stderr)
+
+    def _interrupted(*_: object) -> None:
+        os.write(_stderr, b"\ninterrupted\n")
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, _interrupted)
+
 # slm.cli.train is imported first (it sorts first too): it notes the process start that --max-time counts from.
 from slm.cli.train import PROCESS_START, main
 
@@ -24,4 +36,5 @@ from slm.train.run import train
 __all__ = ["Config", "train", "main", "PRESETS", "apply_preset", "auto_preset", "validate"]
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on run_main and the trainer handle it
     sys.exit(main())

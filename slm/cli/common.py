@@ -8,9 +8,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from slm.errors import ConfigError, UserError
 
@@ -26,10 +28,28 @@ class Parser(argparse.ArgumentParser):
         raise self.error_class(message)
 
 
+@contextmanager
+def plain_package_logs() -> Iterator[None]:
+    """The package's own log records (a reader's warning about replaced bytes, say) print as the run's other
+    lines do, the message alone on stdout, not as `WARNING:slm.data.readers:...`; put back as found after."""
+    logger = logging.getLogger("slm")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
 def run_main(body: Callable[[], object]) -> int:
     """Run a tool's body and turn its outcome into an exit code (see the module docstring)."""
     try:
-        body()
+        with plain_package_logs():
+            body()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         jax = sys.modules.get("jax")

@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
             train,  # jax and the rest only once the flags are known to be good
         )
 
-        train(Config(**values), start_time=PROCESS_START, explicit=explicit)
+        # --max-time counts from the process start on the command line; from this call when called with argv
+        # (a notebook or a test that imported this module long before)
+        train(Config(**values), start_time=PROCESS_START if argv is None else time.time(), explicit=explicit)
 
     return run_main(body)
 

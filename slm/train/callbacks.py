@@ -31,7 +31,7 @@ from slm.io.tracking import Trackers, plot_loss
 from slm.memory.host import release_free_heap, rss_mb
 from slm.train.devices import Processes
 from slm.train.evaluate import Evaluator
-from slm.train.interrupts import SignalWatcher, stop_requested
+from slm.train.interrupts import SignalWatcher, spend_stop, stop_requested
 from slm.train.loop import Callback, RunState
 
 
@@ -236,7 +236,8 @@ class SaveCheckpoints(Callback):
 
 
 class StopConditions(Callback):
-    """--max-steps, --max-time (counted from `start`), SIGTERM/SIGINT and a STOP file in the output dir."""
+    """--max-steps, --max-time (counted from `start`, after the time earlier sessions spent), SIGTERM/SIGINT and a
+    STOP file in the output dir."""
 
     def __init__(self, max_steps: int | None, max_time: float | None, start: float, signals: SignalWatcher,
                  out_dir: str, clock: Callable[[], float]):
@@ -246,12 +247,15 @@ class StopConditions(Callback):
     def on_step(self, run: RunState) -> str | None:
         if self.max_steps and run.step >= self.max_steps:
             return f"--max-steps {self.max_steps}"
-        if self.max_time and self.clock() - self.start >= self.max_time:
+        run.elapsed_s = run.prior_s + self.clock() - self.start  # earlier sessions count; the final save keeps it
+        if self.max_time and run.elapsed_s >= self.max_time:
             return f"--max-time {self.max_time:g}s"
         if self.signals.received:
-            return f"{self.signals.received[0]}: checkpoint saved, resume with --resume {self.out_dir}"
+            return (f"{self.signals.received[0]}: stopped after this step, saved in the final checkpoint; resume with "
+                    f"--resume {self.out_dir}")
         if stop_file := stop_requested(self.out_dir):
-            return f"{os.path.basename(stop_file)} file in the output dir"
+            spend_stop(stop_file)
+            return f"{os.path.basename(stop_file)} file in the output dir (removed: --resume {self.out_dir} trains on)"
         return None
 
 

@@ -83,7 +83,7 @@ class Config:
     batch_size: int = setting(32, "Sequences per micro-batch", IDENTITY, "sequences")
     gradient_accumulation_steps: int = setting(1, "Micro-batches per optimizer step (optax.MultiSteps)", IDENTITY, "micro-batches")
     learning_rate: float | None = setting(None, "Peak AdamW learning rate (default: 6e-4 * sqrt(125M / params), at most 1e-2)", IDENTITY)
-    optimizer: str | None = setting(None, "muon: Muon on the hidden matrices (attention and MLP kernels), AdamW on embedding, head, norms (slm/optim/muon.py); adamw: AdamW on every parameter. Default: muon, adamw with --lora-rank", IDENTITY, unset="auto", choices=("adamw", "muon"))
+    optimizer: str | None = setting(None, "muon: Muon on the hidden matrices (attention and MLP kernels), AdamW on embedding, head, norms (slm/optim/muon.py); adamw: AdamW on every parameter. Default: muon from scratch; adamw with --lora-rank or --init-from (every trained parameter gets --learning-rate)", IDENTITY, unset="auto", choices=("adamw", "muon"))
     muon_learning_rate: float = setting(0.02, "With --optimizer muon: peak learning rate of the hidden matrices (follows the same schedule as --learning-rate)", IDENTITY)
     schedule: str = setting("wsd", "cosine: warmup, then cosine to 10% of the peak; wsd: warmup, the peak until --decay-fraction of the run (of --max-time's time, --max-steps' steps) is left, then linear to 0", IDENTITY, choices=("cosine", "wsd"))
     decay_fraction: float = setting(0.5, "With --schedule wsd: the last fraction of the run over which the rate decays to 0 (0.5: measured in docs/performance.md)", IDENTITY, "fraction")
@@ -99,8 +99,8 @@ class Config:
     use_8bit_optimizer: bool = setting(False, "Keep Adam's moments as 8-bit block-quantized codes: ~2 bytes/param instead of 8 (slm/optim/adam8bit.py)", IDENTITY)
     # length of the run
     epochs: int | None = setting(None, "Passes over the data, reshuffled each epoch (default: repeat until --max-steps/--max-time, else 1)", IDENTITY)
-    max_steps: int | None = setting(None, "Stop after this many optimizer steps", ADJUSTABLE, "steps")
-    max_time: float | None = setting(None, "Wall-clock budget from process start: train until spent, then eval and save", ADJUSTABLE, "seconds")
+    max_steps: int | None = setting(None, "Stop after this many optimizer steps (the run's total: given on --resume it replaces the run's limits and the schedule is re-planned to end there)", ADJUSTABLE, "steps")
+    max_time: float | None = setting(None, "Wall-clock budget from process start: train until spent, then eval and save. A resumed run counts its earlier sessions' time; given on --resume it replaces the run's limits (docs/resume.md)", ADJUSTABLE, "seconds")
     seed: int = setting(0, "Seed for init, shuffling and sampling", IDENTITY)
     # evaluation, logging, outputs
     eval_every: int = setting(500, "Evaluate (and write a sample) every N optimizer steps, and at the end", ADJUSTABLE, "steps")
@@ -270,6 +270,11 @@ def validate(c: Config) -> None:
         raise ConfigError(f"--lora-targets {c.lora_targets}: choose among {','.join(LORA_TARGETS)}")
     if c.dropout is not None and not 0 <= c.dropout < 1:
         raise ConfigError(f"--dropout {c.dropout}: must be in [0, 1)")
+    epochs = None if (c.max_steps or c.max_time) else (c.epochs or 1)  # None: as many as the limit takes
+    if c.dropout and not c.resume and epochs is not None and epochs <= c.dropout_from_epoch:
+        raise ConfigError(f"--dropout {c.dropout:g}: it starts at --dropout-from-epoch {c.dropout_from_epoch}, which a "
+                          f"run of {epochs} epoch(s) never reaches; add --dropout-from-epoch 0, or --epochs "
+                          f"{c.dropout_from_epoch + 1}")
     if not 0 <= c.lora_dropout < 1:
         raise ConfigError(f"--lora-dropout {c.lora_dropout}: must be in [0, 1)")
     if c.base_dtype != "float32" and c.lora_rank is None:

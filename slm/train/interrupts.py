@@ -43,6 +43,21 @@ class SignalWatcher:
         self._previous = {}
 
 
+def spend_stop(path: str) -> None:
+    """A STOP file has done its job once a run stopped for it: removed, so a later --resume trains on."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def spend_stale_stop(output_dir: str, log: Callable[[str], None]) -> None:
+    """A resume finding a STOP file (left by an earlier stop, or by a version that kept it): removed, said."""
+    if path := stop_requested(output_dir):
+        spend_stop(path)
+        log(f"[resume] removed {path}, left from an earlier stop; touch it again to stop this run")
+
+
 def stop_requested(output_dir: str) -> str | None:
     """Path of a `STOP` or `.stop` file in output_dir (touch one to stop a run cleanly), else None."""
     for name in ("STOP", ".stop"):

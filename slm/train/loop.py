@@ -12,6 +12,8 @@ step in tests (tests/train/test_loop.py) and with the compiled jax step in train
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -54,7 +56,7 @@ class Timings:
 
 # Keys of RunState saved in each checkpoint's meta record (with "processes"), the names older runs used.
 SAVED = ("step", "tokens", "epoch", "micro_step", "epoch_micro", "warmup_end", "est_total_tokens", "data_digest",
-         "skipped_nonfinite", "base_fingerprint", "train_from")
+         "skipped_nonfinite", "base_fingerprint", "train_from", "elapsed_s", "progress")
 
 
 @dataclass
@@ -73,7 +75,10 @@ class RunState:
     data_digest: str = ""  # sha256 chained over every micro-batch consumed
     skipped_nonfinite: int = 0
     base_fingerprint: str | None = None  # LoRA: sha256 of the frozen base the adapters were trained on
+    elapsed_s: float = 0.0  # the run's --max-time clock at the latest step: earlier sessions' and this one's
+    progress: float = 0.0  # the schedule's progress at the latest step (a resume re-plans from it)
     # this process's view, not saved
+    prior_s: float = 0.0  # the --max-time clock that earlier sessions spent (elapsed_s of the checkpoint)
     lr: float = 0.0
     losses: list = field(default_factory=list)  # per micro-step loss (device scalars) since the last log
     step_losses: list = field(default_factory=list)  # the latest optimizer step's micro-step losses (device scalars)
@@ -148,13 +153,31 @@ class Schedule:
     kind: str = "cosine"  # or "wsd" (slm.optim.schedule.lr_at)
     decay_frac: float = 0.5
 
-    def lr(self, run: RunState, now: float, procs: Processes) -> float:
+    def progress(self, run: RunState, now: float, procs: Processes) -> float:
+        """The fraction of the run done: by steps, by the --max-time clock (earlier sessions' time included), or
+        by tokens."""
         if self.max_steps:
-            progress = run.step / self.max_steps
-        elif self.max_time:
-            progress = procs.value0((now - self.start) / self.max_time)
-        else:
-            progress = run.tokens / run.est_total_tokens if run.est_total_tokens else 0.0
+            return run.step / self.max_steps
+        if self.max_time:
+            return procs.value0((run.prior_s + now - self.start) / self.max_time)
+        return run.tokens / run.est_total_tokens if run.est_total_tokens else 0.0
+
+    def replan(self, run: RunState, procs: Processes, tokens_per_step: int) -> tuple[float, float]:
+        """A resumed run's schedule over its (possibly new) end: the progress marks saved in the old run's terms
+        (warmup's end, the first step) rescaled by where the checkpoint stands in the new terms, so the rate
+        follows the schedule a straight run to the new end would have had. (old, new) progress at the checkpoint."""
+        # the saved progress was read before the checkpoint's last step ran; so is `new`, at the same counters
+        last = dataclasses.replace(run, step=max(run.step - 1, 0), tokens=max(run.tokens - tokens_per_step, 0))
+        old, new = run.progress, self.progress(last, self.start, procs)
+        if old > 0:
+            scale = new / old
+            run.warmup_end = None if run.warmup_end is None else min(run.warmup_end * scale, 1.0)
+            run.train_from = None if run.train_from is None else min(run.train_from * scale, 0.5)
+        return old, new
+
+    def lr(self, run: RunState, now: float, procs: Processes) -> float:
+        progress = self.progress(run, now, procs)
+        run.elapsed_s, run.progress = run.prior_s + now - self.start, progress
         if run.train_from is None:
             run.train_from = min(progress, 0.5)
         if run.warmup_end is None and warmup_done(progress, run.step, self.warmup, run.train_from):

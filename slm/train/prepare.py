@@ -47,6 +47,7 @@ from slm.model.sizing import (
     default_dropout,
     default_learning_rate,
     default_loss_chunk,
+    default_optimizer,
     default_vocab_size,
 )
 from slm.train.config import (
@@ -74,7 +75,7 @@ def settle_config(c: Config, explicit: set[str] | None, log: Log) -> tuple[Confi
     if c.wandb:
         require_wandb()
     if c.resume:
-        c = resume_config(c, explicit)
+        c = resume_config(c, explicit, log if not c.process_id else _silent)
     # Before anything asks jax for its devices (--preset auto does).
     procs = init_distributed(c.coordinator_address, c.num_processes, c.process_id, c.cpu_devices)
     if c.resume:  # before the data and the compile: the checkpoint's own record is checked again on restore
@@ -227,7 +228,7 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
     tokenizer, special, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log, kept)
     shape = init_shape or choose_shape(c.target_params, tokenizer.get_vocab_size(), c.n_layers, c.d_model, c.n_heads)
     c.learning_rate = c.learning_rate or default_learning_rate(count_params(shape))
-    c.optimizer = c.optimizer or ("adamw" if c.lora_rank else "muon")  # Muon is for full matrices
+    c.optimizer = c.optimizer or default_optimizer(c.lora_rank is not None, bool(c.init_from))
     c.dropout = default_dropout(bool(c.init_from)) if c.dropout is None else c.dropout
     if eval_source is not None:
         whole = isinstance(eval_source, LocalFiles)  # a separate local file is scored whole, a hub split capped
@@ -397,7 +398,7 @@ def plan_step(c: Config, data: TrainData, procs: Processes, log: Log) -> tuple[A
         if not c.auto_fit:
             for line in plan.describe():
                 log(line)
-            raise ConfigError(refusal)
+            raise ConfigError(checked_refusal(c, data, procs, plan, refusal, not chunk_given))
     else:
         raise ConfigError(f"--auto-fit: none of the {i + 1} fastest candidates fits once compiled (last: "
                           f"{refusal}); raise the budget or lower --target-params / --seq-len")
@@ -411,6 +412,20 @@ def plan_step(c: Config, data: TrainData, procs: Processes, log: Log) -> tuple[A
     for line in plan.describe():
         log(line)
     return built, compiled, plan
+
+
+def checked_refusal(c: Config, data: TrainData, procs: Processes, plan: MemoryPlan, refusal: str,
+                    chunk_lever: bool) -> str:
+    """The pre-flight's refusal, its suggestion checked first: it names --auto-fit (with the budget it would
+    need) only when --auto-fit finds a setting there; otherwise it says that nothing at this model and
+    --seq-len fits, and what the smallest setting needs."""
+    over_budget = plan.budget_mb is not None and plan.predicted_peak_mb > plan.budget_mb
+    budget = c.memory_budget if over_budget else f"{plan.limit_mb * 0.9 / 1024:.1f}GB"
+    try:
+        fit_choices(dataclasses.replace(c, auto_fit=True, memory_budget=budget), data, procs, chunk_lever)
+        return refusal
+    except ConfigError as e:
+        return f"{refusal.split('; ')[0]}; no setting of this run fits: {str(e).split(': ', 1)[1]}"
 
 
 def fit_report(c: Config, choices: list[dict], i: int, plan: MemoryPlan) -> list[str]:

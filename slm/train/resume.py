@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 
 from slm.errors import ConfigError
 from slm.train.config import (
@@ -33,11 +34,33 @@ def run_dir_of(c: Config) -> str:
     return run
 
 
-def resume_config(c: Config, explicit: set[str] | None = None) -> Config:
+LIMITS = ("max_steps", "max_time", "epochs")  # what stops a run: a resume that names one replaces them all
+
+
+def limit_text(values: dict) -> str:
+    """'--max-steps 5000', '--max-time 120s', '--epochs 2', or the default's words."""
+    given = [f"--max-time {values['max_time']:g}s" if k == "max_time" else f"{flag_name(k)} {values[k]}"
+             for k in LIMITS if values.get(k) is not None]
+    return " and ".join(given) or "one epoch"
+
+
+def limits_line(run: str, saved: dict, changed: dict) -> str:
+    """The one line a resume prints about where it stops: the run's own limits, or this command's instead."""
+    new = {k: changed.get(k, saved.get(k)) for k in LIMITS}
+    old = {k: saved.get(k) for k in LIMITS}
+    if new == old:
+        return (f"[resume] {run} continues to its own limit, {limit_text(old)} (--max-time counts the run's time "
+                f"across sessions); give --max-steps or --max-time to train to another end")
+    return (f"[resume] {run} now stops at {limit_text(new)}, replacing {limit_text(old)}; the learning-rate "
+            f"schedule is re-planned to end there")
+
+
+def resume_config(c: Config, explicit: set[str] | None = None, log: Callable[[str], None] = print) -> Config:
     """The config of the run `c.resume` continues, checked against `c`: the resumed run's settings.
 
     `explicit`: the flags given on the command line (default: the fields that differ from Config's
     defaults). An identity field given with another value than the run's is refused, naming each one.
+    A stop condition given (--max-steps, --max-time, --epochs) replaces the run's whole (`log` says so).
     """
     run = run_dir_of(c)
     try:
@@ -57,6 +80,9 @@ def resume_config(c: Config, explicit: set[str] | None = None) -> Config:
                           + "; ".join(differs) + ". Only --max-steps, --max-time and logging may change")
     names = [f.name for f in dataclasses.fields(Config)]
     changed = {k: getattr(c, k) for k in names if k not in identity and k in explicit}  # this command's changes
+    if any(k in explicit for k in LIMITS):  # a new stop condition replaces the old one whole
+        changed = {**{k: None for k in LIMITS}, **{k: v for k, v in changed.items()}}
+    log(limits_line(run, saved, changed))
     resumed = Config(**{**{k: saved[k] for k in names if k in saved}, **changed})
     resumed.output_dir, resumed.resume = run, c.resume
     for k in fields_with(LAUNCH):  # how this process was started, never inherited from the saved run

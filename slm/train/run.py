@@ -28,7 +28,7 @@ from slm.data.mixture import Mixture, MixtureLoader
 from slm.data.packing import full_load_batches
 from slm.data.stream import StreamingDataLoader
 from slm.data.tokenizer import sample_start
-from slm.errors import ConfigError, DatasetError, RunError
+from slm.errors import ConfigError, DatasetError, DiskFullError, UserError
 from slm.io.atomic import write_json
 from slm.io.checkpoints import Checkpointer, is_disk_full
 from slm.io.metrics import MetricsLog
@@ -40,7 +40,8 @@ from slm.model.sizing import count_params, describe, flops_per_token, logit_colu
 from slm.optim.schedule import warmup_for
 from slm.train.config import Config, RunFacts
 from slm.train.devices import Processes
-from slm.train.interrupts import SignalWatcher
+from slm.train.interrupts import SignalWatcher, spend_stale_stop
+from slm.train.restore import check_base, replan, restore
 from slm.train.loop import Cadence, Callback, LoopPlan, RunState, Schedule, run_loop
 from slm.train.prepare import (
     TrainData,
@@ -50,7 +51,6 @@ from slm.train.prepare import (
     settle_config,
     setup_data,
 )
-from slm.train.resume import check_process_count
 from slm.train.step import make_flush_step
 
 __all__ = ["Config", "train"]
@@ -89,6 +89,7 @@ def train(config: Config, start_time: float | None = None, log: Log = print, exp
     # Process 0 makes (or checks) the output dir and takes its lock for all; every process learns its name,
     # or the error.
     locks = []
+    fresh = not c.resume and (c.output_dir is None or not os.path.exists(c.output_dir))  # this call makes it
 
     def make_dir() -> str:
         out, lock = make_output_dir(c, log)
@@ -96,6 +97,24 @@ def train(config: Config, start_time: float | None = None, log: Log = print, exp
         return os.path.abspath(out) if procs.count > 1 else out
 
     out = procs.decide0(make_dir)
+    try:
+        return _run(c, out, locks, start, log, procs, signals, clock, disk_usage, callbacks)
+    except (UserError, KeyboardInterrupt) as e:
+        if fresh and procs.primary and not isinstance(e, DiskFullError) and not trained_anything(out):
+            shutil.rmtree(out, ignore_errors=True)  # refused, or interrupted, before its first step: no folder left
+        raise
+
+
+def trained_anything(out: str) -> bool:
+    """Whether a run folder holds anything of a run's work: a checkpoint, or a logged step."""
+    ckpts, metrics = os.path.join(out, "checkpoints"), os.path.join(out, "metrics.jsonl")
+    return bool(os.path.isdir(ckpts) and os.listdir(ckpts)) or (os.path.exists(metrics) and
+                                                                os.path.getsize(metrics) > 0)
+
+
+def _run(c: Config, out: str, locks: list, start: float, log: Log, procs: Any, signals: SignalWatcher | None,
+         clock: Callable[[], float], disk_usage: Callable[[str], Any], callbacks: Sequence[Callback]) -> dict:
+    """train() inside its output dir: the data, the planned step, the weights, then _train."""
     with ExitStack() as stack:
         for lock in locks:
             stack.callback(lock.release)
@@ -224,6 +243,10 @@ def _train(c: Config, data: TrainData, built: Any, handed: list, plan: MemoryPla
     env.stack.enter_context(full_disk_in_one_line(ckpt, env.out))
     check_disk(c, env, state)
     run, resumed = restore(c, ckpt, state, estimated_total_tokens(c, data), env)
+    if resumed:
+        replan(c, run, lplan, env)
+        if procs.primary:
+            spend_stale_stop(env.out, env.log)
     check_base(c, run, data.base_fingerprint if lora else None, env.out)
     loader = None
     if c.use_streaming:  # built now: --auto-fit may have changed the micro-batch
@@ -350,18 +373,6 @@ def estimated_total_tokens(c: Config, data: TrainData) -> float | None:
     return (c.epochs or 1) * data.source.size_bytes / bytes_per_token * c.seq_len / (c.stride or c.seq_len)
 
 
-def check_base(c: Config, run: RunState, fingerprint: str | None, out: str) -> None:
-    """LoRA: a fresh run records its base's sha256 in every checkpoint; a resumed one must find the same base."""
-    if fingerprint is None:
-        return
-    if run.base_fingerprint is None:
-        run.base_fingerprint = fingerprint
-    elif run.base_fingerprint != fingerprint:
-        raise RunError(f"--resume {out}: --init-from {c.init_from} is not the base these adapters were trained on "
-                       f"(sha256 {fingerprint[:12]}..., the checkpoint's {run.base_fingerprint[:12]}...); give the "
-                       f"same weights (--init-revision pins a hub model)")
-
-
 def check_disk(c: Config, env: Env, state: Any) -> None:
     """Refuse an output dir without room for --keep-checkpoints + 1 checkpoints (state + the stream's text)."""
     from slm.optim.adam8bit import state_bytes
@@ -373,29 +384,6 @@ def check_disk(c: Config, env: Env, state: Any) -> None:
         raise ConfigError(f"--output-dir {env.out}: {free_mb:,.0f} MB free, but {c.keep_checkpoints + 1} checkpoints "
                           f"of ~{ckpt_mb:,.0f} MB need {need:,.0f} MB; free space, choose another directory or "
                           f"lower --keep-checkpoints")
-
-
-def restore(c: Config, ckpt: Checkpointer, state: Any, est: float | None, env: Env) -> tuple[RunState, dict]:
-    """A fresh RunState, or (--resume) the newest complete checkpoint's: (run, {"meta", "loader"} or {})."""
-    if not c.resume:
-        return RunState(train_state=state, est_total_tokens=est), {}
-    ckpt_dir, procs = os.path.join(env.out, "checkpoints"), env.procs
-    for partial in sorted(p for p in os.listdir(ckpt_dir) if "tmp" in p):
-        env.log(f"[resume] warning: skipping incomplete checkpoint {partial} (interrupted save)")
-    restored = ckpt.restore_sound(state, env.log, procs.decide0)  # process 0 checks; every process restores
-    if restored is None:
-        aside = sorted(p for p in os.listdir(ckpt_dir) if ".damaged" in p)
-        raise RunError(f"--resume {env.out}: no complete, sound checkpoint in {ckpt_dir}"
-                       + (f" ({len(aside)} damaged ones moved aside: {', '.join(aside)})" if aside else "")
-                       + "; an interrupted save is skipped")
-    state, meta, loader_state = restored  # with the live state's shardings
-    check_process_count(env.out, meta.get("processes", 1), procs.count)
-    if procs.count > 1 and c.use_streaming:
-        mine = loader_state["processes"][procs.index]
-        meta, loader_state = {**meta, "data_digest": mine["digest"]}, mine["loader"]
-    env.log(f"[resume] step {meta['step']} of {env.out}: {meta['tokens']:,} tokens, epoch {meta['epoch']}")
-    run = RunState.from_meta({"est_total_tokens": est, **meta}, train_state=state)
-    return run, {"meta": meta, "loader": loader_state}
 
 
 def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, resolved: dict, peak: float,

@@ -58,14 +58,17 @@ def cpu_peak_flops(cache: str = os.path.join(os.path.expanduser("~"), ".cache", 
             known = json.load(f)
     except (OSError, ValueError):
         known = {}
-    best = max(measured, float(known.get(key, 0.0)))
-    if best > known.get(key, 0.0):
+    entry = known.get(key, 0.0)
+    best, when = (entry, "an earlier run") if isinstance(entry, (int, float)) else (entry["flops"], entry["when"])
+    if measured > best:
+        best, when = measured, time.strftime("%Y-%m-%d %H:%M")
         try:
             os.makedirs(os.path.dirname(cache), exist_ok=True)
-            write_json(cache, {**known, key: best}, indent=None)  # a second process reads it whole or not at all
+            write_json(cache, {**known, key: {"flops": best, "when": when}}, indent=None)  # read whole or not at all
         except OSError:
             pass
-    return best, f"best measured 2048^3 {matmul} matmul ({measured / 1e9:.0f} GFLOP/s this run)"
+    return best, (f"best measured 2048^3 {matmul} matmul on this machine, {when} ({cache}; "
+                  f"{measured / 1e9:.0f} GFLOP/s this run)")
 
 
 def cpu_model() -> str:

@@ -42,3 +42,15 @@ def test_dropout_and_loss_chunk_out_of_range_are_one_line_errors(flags, message)
     values, _, _ = parse_flags(flags)
     with pytest.raises(ConfigError, match=message):
         validate(Config(**values))
+
+
+def test_dropout_a_one_epoch_run_never_reaches_is_refused_in_one_line():
+    """Issue 41: --dropout starts at --dropout-from-epoch (1), so a one-epoch run (no --max-steps/--max-time)
+    trained without it while config.json recorded it. Refused, naming the fix; with the fix it validates."""
+    values, _, _ = parse_flags(["--dropout", "0.1", "--dataset-id", "x.txt"])
+    with pytest.raises(ConfigError, match=r"^--dropout 0.1: it starts at --dropout-from-epoch 1, which a run of 1 "
+                                          r"epoch\(s\) never reaches; add --dropout-from-epoch 0, or --epochs 2$"):
+        validate(Config(**values))
+    for fix in (["--dropout-from-epoch", "0"], ["--epochs", "2"], ["--max-steps", "100"], ["--max-time", "60"]):
+        values, _, _ = parse_flags(["--dropout", "0.1", "--dataset-id", "x.txt", *fix])
+        validate(Config(**values))

@@ -233,14 +233,73 @@ def test_a_signal_stops_the_run_after_its_step():
                 signals.received.append("SIGTERM")
 
     state, _ = run(callbacks=[Deliver(), stops])
-    assert state.step == 2 and state.stop_reason == "SIGTERM: checkpoint saved, resume with --resume /runs/x"
+    assert state.step == 2 and state.stop_reason == "SIGTERM: stopped after this step, saved in the final checkpoint; resume with --resume /runs/x"
 
 
 def test_a_stop_file_stops_the_run(tmp_path):
     (tmp_path / "STOP").touch()
     stops = StopConditions(None, None, 1000.0, SignalWatcher(), str(tmp_path), FakeClock())
     state, _ = run(callbacks=[stops])
-    assert state.step == 1 and state.stop_reason == "STOP file in the output dir"
+    assert state.step == 1 and state.stop_reason.startswith("STOP file in the output dir (removed")
+    assert not (tmp_path / "STOP").exists()  # spent: a later --resume trains on (issue 41: it stopped it again)
+    again, _ = run(callbacks=[StopConditions(None, None, 1000.0, SignalWatcher(), str(tmp_path), FakeClock())])
+    assert again.step == 6 and again.stop_reason == "epochs done"
+
+
+def resumed_from(state: RunState) -> RunState:
+    """What --resume restores: the saved counters only (RunState.meta / from_meta), as a checkpoint holds them."""
+    return RunState.from_meta(state.meta(processes=1), train_state=state.train_state)
+
+
+def lrs_by_step(step: FakeStep, first_step: int) -> dict[int, float]:
+    return {first_step + i: lr for i, lr in enumerate(step.lrs)}
+
+
+def test_a_run_extended_by_steps_follows_the_straight_runs_schedule():
+    """300 steps, then --resume --max-steps 600: from the resumed step on, each rate equals the one a straight
+    600-step run used at that step (the warmup's end rescaled into the longer run), and it ends decayed."""
+    def go(max_steps, batches, state=None, first=0):
+        step = FakeStep()
+        lp = LoopPlan(1, 1, B * L, B * L, Schedule(1e-3, 10, max_steps), Cadence(1, 10**6, 10**6))
+        if state is not None:
+            lp.schedule.replan(state, Processes(), lp.tokens_per_step)
+        stops = StopConditions(max_steps, None, 0.0, SignalWatcher(), "/x", FakeClock())
+        final, _ = run(n_batches=batches, lp=lp, callbacks=[stops], step=step, run_state=state)
+        return final, lrs_by_step(step, first)
+
+    _, straight = go(600, 700)
+    short, _ = go(300, 700)
+    extended, after = go(600, 700, resumed_from(short), first=300)
+    assert extended.step == 600 and sorted(after) == list(range(300, 600))
+    assert max(abs(after[s] - straight[s]) / straight[s] for s in after) < 1e-9
+    assert after[599] < 0.11e-3  # decayed to the cosine's floor (10% of the peak)
+
+
+def test_a_time_limited_run_counts_its_earlier_sessions_and_an_extension_follows_the_straight_schedule():
+    """--max-time 100 interrupted at step 5 and resumed: it stops at 100 s of the run's time, not 100 s more;
+    then --resume --max-time 200: it trains as long as a straight 200-s run, resumes at that run's rate for
+    the same point, and ends decayed (a fake clock: every read is a second)."""
+    def go(max_time, state=None, stop_at=None):
+        clock, step = FakeClock(tick=1.0), FakeStep()
+        clock.now = 0.0
+        lp = LoopPlan(1, 1, B * L, B * L, Schedule(1e-3, 2, None, max_time, start=0.0), Cadence(1, 10**6, 10**6))
+        if state is not None:
+            state.prior_s = state.elapsed_s
+            lp.schedule.replan(state, Processes(), lp.tokens_per_step)
+        cbs = [StopConditions(None, max_time, 0.0, SignalWatcher(), "/x", clock)]
+        cbs += [Recorder("stop", [], stop_at=stop_at)] if stop_at else []
+        final, _ = run(n_batches=1000, lp=lp, callbacks=cbs, step=step, clock=clock, run_state=state)
+        return final, step.lrs
+
+    straight_200, lrs_200 = go(200.0)
+    whole, _ = go(100.0)
+    first, _ = go(100.0, stop_at=5)
+    finished, _ = go(100.0, resumed_from(first))
+    assert first.step == 5 and abs(finished.step - whole.step) <= 1 and whole.step > 12  # not 100 s more
+    extended, lrs = go(200.0, resumed_from(finished))
+    assert abs(extended.step - straight_200.step) <= 0.1 * straight_200.step  # each start-up costs clock reads
+    assert lrs[0] == pytest.approx(lrs_200[finished.step], rel=0.1)  # no jump back to the peak (issue 41)
+    assert lrs[-1] < 0.15e-3 and lrs_200[-1] < 0.15e-3  # both end decayed
 
 
 def test_stop_requested(tmp_path):

@@ -92,7 +92,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0_then_resumes(tmp_path, data
     output, _ = p.communicate(timeout=300)
     assert p.returncode == 0, output[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["stop_reason"].startswith("SIGTERM: checkpoint saved") and summary["steps"] >= 3
+    assert summary["stop_reason"].startswith("SIGTERM: stopped after this step") and summary["steps"] >= 3
     assert str(summary["steps"]) in [d.name for d in (out / "checkpoints").iterdir()]
     r = subprocess.run([sys.executable, str(ROOT / "train_optimized.py"), "--resume", str(out),
                         "--max-steps", str(summary["steps"] + 2)], cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -183,3 +183,34 @@ def test_a_signal_aborts_the_eval_and_saves_at_once(tmp_path, data_dir, monkeypa
     assert any("eval at step 1 aborted by SIGTERM" in line for line in logs)
     assert [p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()] == ["1"]
     assert signal.getsignal(signal.SIGTERM) is not None  # the handler was restored after the run
+
+
+@pytest.mark.slow
+def test_a_resume_with_a_new_limit_replaces_the_old_one_and_ends_decayed(tmp_path, data_dir, monkeypatch):
+    """Issue 41's "continue exactly": a --max-time run, then --resume --max-steps N. The old time limit no
+    longer stops it (it stopped at step 416 of 5000), the log says what replaced what, the rate resumes below
+    the peak and ends at the cosine's floor; a finished run resumed without a new limit is refused in one line;
+    a STOP file stops one run, not the next."""
+    from slm.errors import ConfigError
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    first = train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                         seq_len=64, batch_size=8, eval_tokens=2048, max_time=12, log_every=1, eval_every=10**6,
+                         output_dir=str(out)), log=lambda *_: None)
+    assert first["stop_reason"] == "--max-time 12s" and first["steps"] >= 1
+    with pytest.raises(ConfigError, match="already at its --max-time 12s; give a larger --max-time"):
+        train(Config(resume=str(out)), log=lambda *_: None)
+    (out / "STOP").touch()  # left over: a resume must not stop for it
+    lines: list[str] = []
+    n = first["steps"] + 40
+    second = train(Config(resume=str(out), max_steps=n), log=lines.append)
+    assert second["steps"] == n and second["stop_reason"] == f"--max-steps {n}"
+    text = "\n".join(lines)
+    assert "now stops at --max-steps" in text and "replacing --max-time 12s" in text, text
+    assert "removed" in text and not (out / "STOP").exists()
+    rows = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "lr" in r]
+    peak = max(r["lr"] for r in rows)
+    resumed = [r["lr"] for r in rows if r["step"] > first["steps"]]
+    assert len(resumed) == 40 and max(resumed) <= peak and resumed[-1] < 0.12 * peak  # ends decayed

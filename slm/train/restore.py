@@ -1,0 +1,67 @@
+"""--resume's side of a run: the newest sound checkpoint restored, the LoRA base checked, and the run's clock
+and learning-rate schedule carried over to the (possibly new) end it now trains to (docs/resume.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import Any
+
+from slm.errors import ConfigError, RunError
+from slm.io.checkpoints import Checkpointer
+from slm.train.config import Config
+from slm.train.loop import LoopPlan, RunState
+from slm.train.resume import check_process_count
+
+
+def restore(c: Config, ckpt: Checkpointer, state: Any, est: float | None, env: Any) -> tuple[RunState, dict]:
+    """A fresh RunState, or (--resume) the newest complete checkpoint's: (run, {"meta", "loader"} or {})."""
+    if not c.resume:
+        return RunState(train_state=state, est_total_tokens=est), {}
+    ckpt_dir, procs = os.path.join(env.out, "checkpoints"), env.procs
+    for partial in sorted(p for p in os.listdir(ckpt_dir) if "tmp" in p) if procs.primary else ():
+        shutil.rmtree(os.path.join(ckpt_dir, partial), ignore_errors=True)  # a save that never committed
+        env.log(f"[resume] removed the incomplete checkpoint {partial} (an interrupted save; the last complete one "
+                f"is used)")
+    restored = ckpt.restore_sound(state, env.log, procs.decide0)  # process 0 checks; every process restores
+    if restored is None:
+        aside = sorted(p for p in os.listdir(ckpt_dir) if ".damaged" in p)
+        raise RunError(f"--resume {env.out}: no complete, sound checkpoint in {ckpt_dir}"
+                       + (f" ({len(aside)} damaged ones moved aside: {', '.join(aside)})" if aside else "")
+                       + "; an interrupted save is skipped")
+    state, meta, loader_state = restored  # with the live state's shardings
+    check_process_count(env.out, meta.get("processes", 1), procs.count)
+    if procs.count > 1 and c.use_streaming:
+        mine = loader_state["processes"][procs.index]
+        meta, loader_state = {**meta, "data_digest": mine["digest"]}, mine["loader"]
+    env.log(f"[resume] step {meta['step']} of {env.out}: {meta['tokens']:,} tokens, epoch {meta['epoch']}")
+    run = RunState.from_meta({"est_total_tokens": est, **meta}, train_state=state)
+    return run, {"meta": meta, "loader": loader_state}
+
+
+def replan(c: Config, run: RunState, lplan: LoopPlan, env: Any) -> None:
+    """A resumed run: the time earlier sessions spent counts toward --max-time; a limit already reached is
+    refused in one line; the schedule is re-planned for the run's end and the rate it resumes at is said."""
+    run.prior_s = run.elapsed_s
+    where = (f"step {run.step}" + (f", {run.prior_s:,.0f}s of training time" if run.prior_s else ""))
+    if (c.max_steps and run.step >= c.max_steps) or (c.max_time and run.prior_s >= c.max_time):
+        limit = f"--max-steps {c.max_steps}" if c.max_steps and run.step >= c.max_steps else f"--max-time {c.max_time:g}s"
+        raise ConfigError(f"--resume {env.out}: the run is at {where}, already at its {limit}; give a larger "
+                          f"{limit.split()[0]} (the run's total) to train more")
+    old, new = lplan.schedule.replan(run, env.procs, lplan.tokens_per_step)
+    lr = lplan.schedule.lr(dataclasses.replace(run), env.start, env.procs)  # a copy: the first step sets the real one
+    env.log(f"[resume] schedule: {where} is {new:.0%} of the run to its end (was {old:.0%}); the rate resumes at "
+            f"{lr:.3g}")
+
+
+def check_base(c: Config, run: RunState, fingerprint: str | None, out: str) -> None:
+    """LoRA: a fresh run records its base's sha256 in every checkpoint; a resumed one must find the same base."""
+    if fingerprint is None:
+        return
+    if run.base_fingerprint is None:
+        run.base_fingerprint = fingerprint
+    elif run.base_fingerprint != fingerprint:
+        raise RunError(f"--resume {out}: --init-from {c.init_from} is not the base these adapters were trained on "
+                       f"(sha256 {fingerprint[:12]}..., the checkpoint's {run.base_fingerprint[:12]}...); give the "
+                       f"same weights (--init-revision pins a hub model)")
