@@ -22,9 +22,13 @@ FAMILIES = {
     "gemma3": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, head_dim=32,
                    query_pre_attn_scalar=24, sliding_window=8, num_hidden_layers=3,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    # attention_bias: true puts biases on q, k, v and o_proj (issue 41: o_proj's was dropped, logits off by 0.85)
+    "llama_bias": dict(rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=True),
+    "qwen3_bias": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, head_dim=32,
+                       attention_bias=True),
 }
 CLASSES = {"llama": "Llama", "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-           "gemma3": "Gemma3"}
+           "gemma3": "Gemma3", "llama_bias": "Llama", "qwen3_bias": "Qwen3"}
 
 
 def save_tiny(family: str, out, seed: int = 0, vocab_size: int = 128, tokenizer=None):

@@ -109,6 +109,8 @@ def hf_state_dict(params: Mapping[str, Any], shape: ModelShape) -> dict[str, np.
             if shape.qkv_bias:
                 out[f"{pre}.self_attn.{name}_proj.bias"] = _f32(np.asarray(qkv["bias"])[a:b])
         out[f"{pre}.self_attn.o_proj.weight"] = _f32(np.asarray(block["attn"]["o"]["kernel"]).T)
+        if shape.o_bias:
+            out[f"{pre}.self_attn.o_proj.bias"] = _f32(np.asarray(block["attn"]["o"]["bias"]))
         if shape.qk_norm:
             for p in "qk":
                 out[f"{pre}.self_attn.{p}_norm.weight"] = _f32(block["attn"][f"{p}_norm"]["scale"])
@@ -144,7 +146,7 @@ def hf_config(shape: ModelShape, max_positions: int, special: SpecialIds) -> dic
         "rope_parameters": {"rope_theta": shape.rope_theta, **rope_scaling_config(shape)},
         "rope_scaling": rope_scaling_config(shape) if shape.rope_scaling else None,
         "rope_theta": shape.rope_theta,
-        "attention_bias": False,
+        "attention_bias": shape.o_bias,  # q, k, v and o_proj biases (Qwen2's q/k/v-only ones need none)
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "tie_word_embeddings": shape.tie_embeddings,
@@ -164,8 +166,12 @@ def export_family(shape: ModelShape) -> str:
     """The transformers family that computes what this shape computes."""
     if shape.sandwich_norms:
         return "gemma3"
-    if shape.qk_norm and shape.qkv_bias:  # Llama's attention_bias would put a bias on o_proj too
+    if shape.o_bias and not shape.qkv_bias:
+        raise ExportError("a bias on o_proj without q/k/v biases has no transformers family to export to")
+    if shape.qkv_bias and not shape.o_bias and shape.qk_norm:  # attention_bias would put a bias on o_proj too
         raise ExportError("a model with both q/k/v biases and q/k norms has no transformers family to export to")
+    if shape.o_bias:  # attention_bias: true (q, k, v and o biases)
+        return "qwen3" if shape.qk_norm else "llama"
     return "qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else "llama"
 
 

@@ -89,6 +89,7 @@ def _layer_names(shape: ModelShape) -> set[str]:
     names = {f"self_attn.{p}_proj.weight" for p in "qkvo"} | {f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
     names |= {f"{n}.weight" for n in norm_names(shape)}
     names |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"} if shape.qk_norm else set()
+    names |= {"self_attn.o_proj.bias"} if shape.o_bias else set()
     return names | ({f"self_attn.{p}_proj.bias" for p in "qkv"} if shape.qkv_bias else set())
 
 
@@ -111,9 +112,15 @@ def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray],
             x = place(_need({name: x}, name, want, folder))
             params[key] = {"scale": x} if key == "final_norm" else x
             continue
-        if not name.startswith("model.layers."):
-            continue  # e.g. rotary inv_freq buffers some older exports carry
+        if not name.startswith("model.layers.") or name.endswith("rotary_emb.inv_freq"):
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and shape.tie_embeddings):
+                continue  # rotary buffers some older exports carry; a tied head's copy of the embedding
+            raise RunError(f"{folder}: the weights have a tensor this model does not use: {name}; its config.json "
+                           f"does not describe it")
         i, rest = name[len("model.layers."):].split(".", 1)
+        if f"block_{i}" in params:  # a tensor of a layer already complete: _block would never see it
+            raise RunError(f"{folder}: the weights have a tensor this model does not use: {name}; its config.json "
+                           f"does not describe it")
         layer = pending.setdefault(int(i), {})
         layer[rest] = x
         if wanted <= layer.keys():
@@ -145,14 +152,20 @@ def _block(t: dict, shape: ModelShape, folder: str) -> dict:
         qkv["bias"] = np.concatenate([_need(t, f"self_attn.{p}_proj.bias", (n * K,), folder) for p, n in heads])
     gate_up = [_need(t, f"mlp.{p}_proj.weight", (F, D), folder).T for p in ("gate", "up")]
     attn = {"qkv": qkv, "o": {"kernel": np.ascontiguousarray(_need(t, "self_attn.o_proj.weight", (D, H * K), folder).T)}}
+    if shape.o_bias:
+        attn["o"]["bias"] = _need(t, "self_attn.o_proj.bias", (D,), folder)
     if shape.qk_norm:
         attn |= {f"{p}_norm": {"scale": _need(t, f"self_attn.{p}_norm.weight", (K,), folder)} for p in "qk"}
-    return {
+    block = {
         **{ours: {"scale": _need(t, f"{theirs}.weight", (D,), folder)} for theirs, ours in norm_names(shape).items()},
         "attn": attn,
         "mlp": {"gate_up": {"kernel": np.concatenate(gate_up, axis=1)},
                 "down": {"kernel": np.ascontiguousarray(_need(t, "mlp.down_proj.weight", (D, F), folder).T)}},
     }
+    if t:  # a tensor this model has no place for would be dropped: the load is whole or refused
+        raise RunError(f"{folder}: the weights have tensor(s) this model does not use: "
+                       f"{', '.join(sorted(t))[:200]} (of one layer); its config.json does not describe them")
+    return block
 
 
 def _need(tensors: dict, name: str, shape: tuple, folder: str) -> np.ndarray:

@@ -76,7 +76,8 @@ class CachedAttention(nn.Module):
         causal_TxS = windowed(q_pos[:, None] >= k_pos[None, :], q_pos, k_pos, self.shape.window(self.layer))
         out_BxTxHxK = attend(q, k_BxSxGxK, v_BxSxGxK, causal_TxS, self.dtype, self.shape.query_scale)
         out_BxTxHK = out_BxTxHxK.reshape(B, T, H * K)
-        out_BxTxD = dense(D, "o", self.dtype, out_std, matmul=self.matmul, nf4=self.nf4)(out_BxTxHK)
+        out_BxTxD = dense(D, "o", self.dtype, out_std, bias=self.shape.o_bias, matmul=self.matmul,
+                          nf4=self.nf4)(out_BxTxHK)
         return adapted(self, self.lora, out_BxTxD, out_BxTxHK, "o"), {"k": k_BxSxGxK, "v": v_BxSxGxK}
 
 

@@ -28,7 +28,9 @@ def shape_from_hf_config(cfg: dict, where: str = "config.json") -> ModelShape:
         fields = gemma3_fields(cfg, where)
     else:
         refuse_unsupported(cfg, where)
-        fields = dict(qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias")), rope_theta=rope_theta(cfg),
+        # attention_bias (Llama, Mistral, Qwen3): biases on q, k, v and o_proj alike; Qwen2's are on q, k, v only
+        fields = dict(qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias")),
+                      o_bias=family != "qwen2" and bool(cfg.get("attention_bias")), rope_theta=rope_theta(cfg),
                       tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qk_norm=family == "qwen3",
                       rope_scaling=rope_scaling(cfg, where))
     D, H = cfg["hidden_size"], cfg["num_attention_heads"]

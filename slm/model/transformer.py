@@ -194,7 +194,8 @@ class Attention(nn.Module):
             index_L = jnp.arange(L)
             out_BxLxHxK = attend(q, k, v, windowed(mask, index_L, index_L, window), self.dtype, self.shape.query_scale)
         out_BxLxHK = out_BxLxHxK.reshape(B, L, H * K)
-        o = dense(D, "o", self.dtype, 0.02 / (2 * self.shape.n_layers) ** 0.5, matmul=self.matmul, nf4=self.nf4)
+        o = dense(D, "o", self.dtype, 0.02 / (2 * self.shape.n_layers) ** 0.5, bias=self.shape.o_bias,
+                  matmul=self.matmul, nf4=self.nf4)
         return adapted(self, self.lora, o(out_BxLxHK), out_BxLxHK, "o")
 
 

@@ -29,7 +29,9 @@ TOL = 1e-4
 def test_logits_and_greedy_generation_match_transformers(family, tmp_path):
     hf = save_tiny(family, tmp_path / "hf")
     shape, params, _ = load_hf_folder(str(tmp_path / "hf"))
-    assert shape.kv_heads == 2 and shape.qkv_bias == (family == "qwen2") and shape.qk_norm == (family in ("qwen3", "gemma3"))
+    biased = FAMILIES[family].get("attention_bias", False)
+    assert shape.kv_heads == 2 and shape.qkv_bias == (family == "qwen2" or biased) and shape.o_bias == biased
+    assert shape.qk_norm == (family in ("qwen3", "gemma3", "qwen3_bias"))
     assert count_params(shape) == sum(p.numel() for p in hf.parameters())
     assert shape.tie_embeddings == FAMILIES[family]["tie_word_embeddings"]
     assert sum(p.numel() for p in hf.parameters()) == sum(x.size for x in _leaves(params))
@@ -80,6 +82,17 @@ def test_pickled_weights_and_unknown_architectures_are_refused(tmp_path):
                                                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
     with pytest.raises(RunError, match=r"rope scaling 'llama3' \(in rope_scaling\) lacks low_freq_factor"):
         load_hf_folder(str(folder))
+
+
+def test_a_tensor_the_config_does_not_describe_refuses_the_load_naming_it(tmp_path):
+    """A checkpoint is loaded whole or refused: biases in the weights that config.json does not announce
+    (attention_bias edited off) are named, not dropped."""
+    save_tiny("llama_bias", tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "attention_bias": False}))
+    with pytest.raises(RunError, match=r"tensor\(s\) this model does not use: self_attn.k_proj.bias, "
+                                       r"self_attn.o_proj.bias"):
+        load_hf_folder(str(tmp_path / "hf"))
 
 
 @pytest.mark.parametrize("scaling", [
