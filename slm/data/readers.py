@@ -170,6 +170,30 @@ def _cut(pending: list[str], tail: int, limit: int) -> tuple[str, str]:
     return text[:at], text[at:]
 
 
+BINARY_HEAD = 1 << 16  # the bytes of a text file looked at for signs of binary data
+
+
+def binary_reason(head: bytes) -> str | None:
+    """Why `head` (a file's first bytes) is not text: NUL bytes, which UTF-8 text never holds, or more than 30% of
+    it invalid UTF-8 (a lone bad byte in real text is replaced with a warning instead); None for text."""
+    if b"\0" in head:
+        return f"NUL bytes in its first {len(head):,} bytes"
+    bad = len(head) - len(head.decode("utf-8", errors="ignore").encode("utf-8"))
+    if head and bad > 0.3 * len(head) and bad > 16:
+        return f"{bad / len(head):.0%} of its first {len(head):,} bytes are not UTF-8"
+    return None
+
+
+def refuse_binary(path: str, opener: Opener = open) -> None:
+    """A binary file passed as text (a model, an archive, a file of another encoding) is refused in one line."""
+    with opener(path, "rb") as f:
+        head = f.read(BINARY_HEAD)
+    why = binary_reason(head)
+    if why:
+        raise DatasetError(f"{path}: binary data, not text ({why}); pass a UTF-8 text file, or .jsonl, .json, "
+                           f".parquet or .csv")
+
+
 def _read_txt(path: str, chunk_bytes: int = 1 << 20, max_doc_chars: int = MAX_DOC_CHARS,
               opener: Opener = open) -> Iterator[str]:
     """Documents of a text file, split on `<|endoftext|>` if the file has one, else on blank lines.
@@ -184,6 +208,7 @@ def _read_txt(path: str, chunk_bytes: int = 1 << 20, max_doc_chars: int = MAX_DO
     `max_doc_chars` comes as several documents (cut at whitespace by `_cut`): memory stays bounded even
     for a 100 MB line, and a separator every ~1M tokens costs nothing a model of any seq-len would see.
     """
+    refuse_binary(path, opener)
     # A remote file is not read twice: its first 4 MB decide whether <|endoftext|> separates documents.
     limit = None if opener is open else 4 << 20
     separator = EOT_TEXT if _file_contains(path, EOT_TEXT.encode(), opener, limit=limit) else None

@@ -95,11 +95,11 @@ def test_cli_exit_2_for_corrupt_tokenizer_and_unsupported_file(tmp_path, capsys,
 
 def test_invalid_utf8_is_replaced_and_counted_once_per_file(tmp_path, caplog):
     p = tmp_path / "bin.txt"
-    # 2 + 1 + 3 invalid bytes; a genuine U+FFFD (valid UTF-8) and a NUL must not count.
-    p.write_bytes(b"ok \xff\xfe one\n\nbad \xc3 two \xef\xbf\xbd \x00\n\n\x80\x80\x80 three")
+    # 2 + 1 + 3 invalid bytes; a genuine U+FFFD (valid UTF-8) must not count.
+    p.write_bytes(b"ok \xff\xfe one\n\nbad \xc3 two \xef\xbf\xbd\n\n\x80\x80\x80 three")
     with caplog.at_level(logging.WARNING, logger="hf_dataset_loader"):
         docs = list(read_file(str(p)))
-        assert docs == ["ok \ufffd\ufffd one", "bad \ufffd two \ufffd \x00", "\ufffd\ufffd\ufffd three"]
+        assert docs == ["ok \ufffd\ufffd one", "bad \ufffd two \ufffd", "\ufffd\ufffd\ufffd three"]
         assert hfl.REPLACED_BYTES[str(p)] == 6
         assert list(read_file(str(p))) == docs  # a second pass (next epoch): same docs, no new warning
     warnings = [r.getMessage() for r in caplog.records if "invalid UTF-8" in r.getMessage()]
@@ -303,17 +303,34 @@ def test_unsupported_extensions_refused_by_file_and_glob_skipped_in_a_directory(
     assert len(logged) == 1 and "skipped 3 file(s)" in logged[0] and ".bin" in logged[0] and ".gz" in logged[0]
 
 
+def test_a_binary_file_named_txt_is_refused_in_one_line_at_any_size(tmp_path):
+    """Issue 41: 300 KB of binary gave "holding out --eval-tokens ... leaves nothing to train on", 4 MB trained
+    on the bytes. A NUL byte (git's test for binary) or mostly invalid UTF-8 is refused, naming the file;
+    a few bad bytes in real text are still replaced, with a warning (above)."""
+    rng = random.Random(7)
+    for size in (100, 300_000, 4_000_000):
+        p = tmp_path / f"model{size}.txt"
+        p.write_bytes(bytes(rng.randrange(256) for _ in range(min(size, 70_000))) * max(1, size // 70_000))
+        with pytest.raises(DatasetError, match=rf"{p.name}: binary data, not text \((NUL bytes|\d+% of)"):
+            list(read_file(str(p)))
+    latin = tmp_path / "latin1.txt"  # another encoding, no NUL: most bytes are not UTF-8
+    latin.write_bytes(bytes(range(128, 256)) * 100)
+    with pytest.raises(DatasetError, match=r"binary data, not text \(100% of its first 12,800 bytes are not UTF-8"):
+        list(read_file(str(latin)))
+
+
 # ----------------------------------------------------------------------------------------------
 # 7. Fuzz
 
 
 def _random_bytes(rng: random.Random, n: int) -> bytes:
-    # Mostly structure characters, so JSON lines sometimes parse; plus NULs and invalid UTF-8.
-    alphabet = [b"{", b"}", b"[", b"]", b'"', b":", b",", b"\n", b"\n\n", b" ", b"\x00", b"\xff", b"\xc3",
+    # Mostly structure characters, so JSON lines sometimes parse; plus control bytes and invalid UTF-8 (no NUL:
+    # a NUL makes a text file binary, refused whole: test_a_binary_file_named_txt_is_refused_in_one_line_at_any_size).
+    alphabet = [b"{", b"}", b"[", b"]", b'"', b":", b",", b"\n", b"\n\n", b" ", b"\x01", b"\xff", b"\xc3",
                 b"\xe2\x82", b"text", b"1", b"null", b"\\", b"\\u12", EOT_TEXT.encode(), b'{"text": "x"}\n']
     out = bytearray()
     while len(out) < n:
-        out += rng.choice(alphabet) if rng.random() < 0.7 else bytes([rng.randrange(256)])
+        out += rng.choice(alphabet) if rng.random() < 0.7 else bytes([rng.randrange(1, 256)])
     return bytes(out[:n])
 
 
