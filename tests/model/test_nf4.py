@@ -80,4 +80,6 @@ def test_the_step_never_holds_the_base_dequantised():
         temporaries[held] = grad.lower(adapters, base, ids).compile().memory_analysis().temp_size_in_bytes
     kernels = shape.n_layers * sum(i * o for i, o in nf4.kernel_shapes(shape).values())
     largest = max(i * o for i, o in nf4.kernel_shapes(shape).values())
-    assert temporaries[True] - temporaries[False] <= 16 * largest <= kernels * 4 / 4, (temporaries, largest)
+    extra = temporaries[True] - temporaries[False]  # what holding the base as NF4 adds to the step
+    assert extra <= 16 * largest, (temporaries, largest)  # a few of the largest kernel in float32, at most
+    assert extra < kernels * 4 / 4, (temporaries, kernels)  # not a quarter of the block kernels' float32 copy
