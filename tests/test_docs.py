@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT
 
 README = ROOT / "README.md"
@@ -88,6 +89,61 @@ def test_fence_parser_and_skip_convention():
     assert skipped == [5]
 
 
+def shown_outputs(code: str) -> list[str]:
+    """What a block says its prints show: the comment after each print(...) line, with the comment lines that
+    follow it; "..." (elided) and a trailing "(...)" remark after the figures are not part of it."""
+    lines, shown = code.splitlines(), []
+    for i, line in enumerate(lines):
+        if not line.lstrip().startswith("print("):
+            continue
+        text = [line.split("#", 1)[1]] if "#" in line.split("print(", 1)[1] else []
+        j = i + 1
+        while j < len(lines) and lines[j].lstrip().startswith("#"):
+            text.append(lines[j].lstrip()[1:])
+            j += 1
+        said = " ".join(text).replace("...", " ").strip()
+        said = re.sub(r"(?<=\S)\s+\([^()]*\)\s*$", "", said)  # "3 4.49 (3 steps: barely trained)" -> "3 4.49"
+        if said:
+            shown.append(said)
+    return shown
+
+
+TOKEN = re.compile(r"[A-Za-z_][A-Za-z_0-9]*|-?\d[\d,]*(?:\.\d+)?%?")
+SHOWN_TOLERANCE = 0.05  # figures that move a little between hosts (a loss after 3 steps); a stale one moves more
+
+
+def _number(token: str) -> float | None:
+    try:
+        return float(token.replace(",", "").rstrip("%"))
+    except ValueError:
+        return None
+
+
+def shows(said: str, printed: str) -> bool:
+    """Whether `printed` holds the tokens of `said` in order (numbers within SHOWN_TOLERANCE, words exactly)."""
+    out = TOKEN.findall(printed)
+    k = 0
+    for want in TOKEN.findall(said):
+        w = _number(want)
+        while k < len(out):
+            got = _number(out[k])
+            k += 1
+            if (w is None and out[k - 1] == want) or (w is not None and got is not None and
+                                                    abs(got - w) <= SHOWN_TOLERANCE * max(abs(w), 1e-9)):
+                break
+        else:
+            return False
+    return True
+
+
+def test_shown_outputs_parser():
+    code = "x = 1\nprint(x)  # 3 4.49 (3 steps: barely trained)\nprint(t)\n# ... a_mb 19.0, b_mb 38.1,\n#     c 1,818.8\n"
+    assert shown_outputs(code) == ["3 4.49", "a_mb 19.0, b_mb 38.1,      c 1,818.8"]
+    assert shows("a_mb 19.0, c 1,818.8", "a_mb   19.0\nb_mb 38.1\nc   1,820.0")
+    assert not shows("b_mb 38.1", "a_mb 19.0\nb_mb 20.8")  # the stale README figure issue 41 found
+    assert shows("(32, 128) int32", "(32, 128) int32") and not shows("88.38%", "80.00%")
+
+
 def run_blocks(name: str, run: list, tmp_path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TMPDIR": str(tmp_path),
            "MPLBACKEND": "Agg"}
@@ -96,6 +152,10 @@ def run_blocks(name: str, run: list, tmp_path) -> None:
     ok = [int(m) for m in re.findall(r"^README BLOCK OK (\d+)$", proc.stdout, re.M)]
     assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-5000:])
     assert ok == [line for _, line in run], proc.stdout[-3000:]
+    printed = re.split(r"^README BLOCK OK \d+$", proc.stdout, flags=re.M)  # each block's own output
+    for (code, line), out in zip(run, printed):
+        for said in shown_outputs(code):  # the outputs the page shows are what the code prints today
+            assert shows(said, out), f"{name}:{line} shows {said!r}, but the block printed:\n{out[-2000:]}"
     assert not list(ROOT.glob("runs/notebook*")), f"an example in {name} wrote into the repository"
 
 
@@ -170,3 +230,31 @@ def test_coming_from_table_flags_exist():
     assert len(set(flags)) >= 25, sorted(set(flags))
     missing = sorted({f for f in flags if f not in known})
     assert not missing, f"flags in docs/config.md's Coming from tables that train_optimized.py does not have: {missing}"
+
+
+@pytest.mark.slow  # a short run, then generate, two exports and a resume (~2 min on 2 cores)
+def test_the_commands_after_the_main_job_work_on_the_run_it_made(tmp_path):
+    """Issue 41: the README's follow-ups (--chat, --format peft) failed on the run the main job makes. Each
+    command of the block after the main job runs here on a short run of the same kind (from scratch, stopped by
+    --max-time), with runs/<run> and the outputs pointed into tmp_path and the resume's 5000 steps made 3 more
+    than the run has: every one exits 0."""
+    text = README.read_text()
+    block = next(code for info, code, _ in fenced_blocks(text) if info == "bash" and "--resume runs/<run>" in code)
+    run = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "MPLBACKEND": "Agg"}
+    main = [sys.executable, "train_optimized.py", "--use-streaming", "--dataset-id",
+            str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"), "--target-params", "150000", "--seq-len", "64",
+            "--eval-tokens", "2048", "--max-time", "12", "--output-dir", str(run)]
+    assert subprocess.run(main, cwd=ROOT, env=env, capture_output=True, timeout=300).returncode == 0
+    steps = json.loads((run / "summary.json").read_text())["steps"]
+    for line in block.splitlines():
+        command = line.split("#", 1)[0].strip()
+        if not command.startswith(".venv/bin/python"):
+            continue
+        command = (command.replace(".venv/bin/python", sys.executable).replace("runs/<run>", str(run))
+                   .replace("--out hf_model", f"--out {tmp_path / 'hf_model'}")
+                   .replace("--out model.gguf", f"--out {tmp_path / 'model.gguf'}")
+                   .replace("--max-steps 5000", f"--max-steps {steps + 3}"))
+        done = subprocess.run(command, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{line}\n{done.stderr[-2000:]}"
+    assert json.loads((run / "summary.json").read_text())["steps"] == steps + 3
