@@ -208,7 +208,7 @@ def _read_txt(path: str, chunk_bytes: int = 1 << 20, max_doc_chars: int = MAX_DO
     `max_doc_chars` comes as several documents (cut at whitespace by `_cut`): memory stays bounded even
     for a 100 MB line, and a separator every ~1M tokens costs nothing a model of any seq-len would see.
     """
-    refuse_binary(path, opener)
+    refuse_binary(path, opener)  # its first 64 KB, before any scan: a binary file is refused at once
     # A remote file is not read twice: its first 4 MB decide whether <|endoftext|> separates documents.
     limit = None if opener is open else 4 << 20
     separator = EOT_TEXT if _file_contains(path, EOT_TEXT.encode(), opener, limit=limit) else None

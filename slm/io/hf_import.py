@@ -112,15 +112,13 @@ def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray],
             x = place(_need({name: x}, name, want, folder))
             params[key] = {"scale": x} if key == "final_norm" else x
             continue
-        if not name.startswith("model.layers.") or name.endswith("rotary_emb.inv_freq"):
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and shape.tie_embeddings):
-                continue  # rotary buffers some older exports carry; a tied head's copy of the embedding
-            raise RunError(f"{folder}: the weights have a tensor this model does not use: {name}; its config.json "
-                           f"does not describe it")
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and shape.tie_embeddings):
+            continue  # rotary buffers some older exports carry; a tied head's copy of the embedding
+        if not name.startswith("model.layers."):
+            raise unused(folder, [name])
         i, rest = name[len("model.layers."):].split(".", 1)
         if f"block_{i}" in params:  # a tensor of a layer already complete: _block would never see it
-            raise RunError(f"{folder}: the weights have a tensor this model does not use: {name}; its config.json "
-                           f"does not describe it")
+            raise unused(folder, [name])
         layer = pending.setdefault(int(i), {})
         layer[rest] = x
         if wanted <= layer.keys():
@@ -163,9 +161,15 @@ def _block(t: dict, shape: ModelShape, folder: str) -> dict:
                 "down": {"kernel": np.ascontiguousarray(_need(t, "mlp.down_proj.weight", (D, F), folder).T)}},
     }
     if t:  # a tensor this model has no place for would be dropped: the load is whole or refused
-        raise RunError(f"{folder}: the weights have tensor(s) this model does not use: "
-                       f"{', '.join(sorted(t))[:200]} (of one layer); its config.json does not describe them")
+        raise unused(folder, sorted(t))
     return block
+
+
+def unused(folder: str, names: list[str]) -> RunError:
+    """The refusal of a checkpoint holding tensors this model has no place for (its config.json does not
+    describe them): a load is whole or refused."""
+    return RunError(f"{folder}: the weights have tensor(s) this model does not use: {', '.join(names)[:200]}; its "
+                    f"config.json does not describe them")
 
 
 def _need(tensors: dict, name: str, shape: tuple, folder: str) -> np.ndarray:

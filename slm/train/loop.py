@@ -12,12 +12,10 @@ step in tests (tests/train/test_loop.py) and with the compiled jax step in train
 
 from __future__ import annotations
 
-import dataclasses
-
 import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -75,7 +73,7 @@ class RunState:
     data_digest: str = ""  # sha256 chained over every micro-batch consumed
     skipped_nonfinite: int = 0
     base_fingerprint: str | None = None  # LoRA: sha256 of the frozen base the adapters were trained on
-    elapsed_s: float = 0.0  # the run's --max-time clock at the latest step: earlier sessions' and this one's
+    elapsed_s: float = 0.0  # the run's --max-time clock at the latest step (StopConditions): all sessions' time
     progress: float = 0.0  # the schedule's progress at the latest step (a resume re-plans from it)
     # this process's view, not saved
     prior_s: float = 0.0  # the --max-time clock that earlier sessions spent (elapsed_s of the checkpoint)
@@ -167,7 +165,7 @@ class Schedule:
         (warmup's end, the first step) rescaled by where the checkpoint stands in the new terms, so the rate
         follows the schedule a straight run to the new end would have had. (old, new) progress at the checkpoint."""
         # the saved progress was read before the checkpoint's last step ran; so is `new`, at the same counters
-        last = dataclasses.replace(run, step=max(run.step - 1, 0), tokens=max(run.tokens - tokens_per_step, 0))
+        last = replace(run, step=max(run.step - 1, 0), tokens=max(run.tokens - tokens_per_step, 0))
         old, new = run.progress, self.progress(last, self.start, procs)
         if old > 0:
             scale = new / old
@@ -176,8 +174,7 @@ class Schedule:
         return old, new
 
     def lr(self, run: RunState, now: float, procs: Processes) -> float:
-        progress = self.progress(run, now, procs)
-        run.elapsed_s, run.progress = run.prior_s + now - self.start, progress
+        progress = run.progress = self.progress(run, now, procs)  # saved: a resume re-plans from it
         if run.train_from is None:
             run.train_from = min(progress, 0.5)
         if run.warmup_end is None and warmup_done(progress, run.step, self.warmup, run.train_from):

@@ -425,7 +425,7 @@ def checked_refusal(c: Config, data: TrainData, procs: Processes, plan: MemoryPl
         fit_choices(dataclasses.replace(c, auto_fit=True, memory_budget=budget), data, procs, chunk_lever)
         return refusal
     except ConfigError as e:
-        return f"{refusal.split('; ')[0]}; no setting of this run fits: {str(e).split(': ', 1)[1]}"
+        return f"{refusal.split('; ')[0]}; no setting of this run fits: {str(e).removeprefix('--auto-fit: ')}"
 
 
 def fit_report(c: Config, choices: list[dict], i: int, plan: MemoryPlan) -> list[str]:

@@ -45,10 +45,11 @@ def replan(c: Config, run: RunState, lplan: LoopPlan, env: Any) -> None:
     refused in one line; the schedule is re-planned for the run's end and the rate it resumes at is said."""
     run.prior_s = run.elapsed_s
     where = (f"step {run.step}" + (f", {run.prior_s:,.0f}s of training time" if run.prior_s else ""))
-    if (c.max_steps and run.step >= c.max_steps) or (c.max_time and run.prior_s >= c.max_time):
-        limit = f"--max-steps {c.max_steps}" if c.max_steps and run.step >= c.max_steps else f"--max-time {c.max_time:g}s"
-        raise ConfigError(f"--resume {env.out}: the run is at {where}, already at its {limit}; give a larger "
-                          f"{limit.split()[0]} (the run's total) to train more")
+    reached = ("--max-steps", f"{c.max_steps}") if c.max_steps and run.step >= c.max_steps else (
+        ("--max-time", f"{c.max_time:g}s") if c.max_time and run.prior_s >= c.max_time else None)
+    if reached:
+        raise ConfigError(f"--resume {env.out}: the run is at {where}, already at its {' '.join(reached)}; give a "
+                          f"larger {reached[0]} (the run's total) to train more")
     old, new = lplan.schedule.replan(run, env.procs, lplan.tokens_per_step)
     lr = lplan.schedule.lr(dataclasses.replace(run), env.start, env.procs)  # a copy: the first step sets the real one
     env.log(f"[resume] schedule: {where} is {new:.0%} of the run to its end (was {old:.0%}); the rate resumes at "

@@ -81,7 +81,7 @@ def resume_config(c: Config, explicit: set[str] | None = None, log: Callable[[st
     names = [f.name for f in dataclasses.fields(Config)]
     changed = {k: getattr(c, k) for k in names if k not in identity and k in explicit}  # this command's changes
     if any(k in explicit for k in LIMITS):  # a new stop condition replaces the old one whole
-        changed = {**{k: None for k in LIMITS}, **{k: v for k, v in changed.items()}}
+        changed = {**dict.fromkeys(LIMITS), **changed}
     log(limits_line(run, saved, changed))
     resumed = Config(**{**{k: saved[k] for k in names if k in saved}, **changed})
     resumed.output_dir, resumed.resume = run, c.resume

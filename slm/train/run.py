@@ -41,7 +41,6 @@ from slm.optim.schedule import warmup_for
 from slm.train.config import Config, RunFacts
 from slm.train.devices import Processes
 from slm.train.interrupts import SignalWatcher, spend_stale_stop
-from slm.train.restore import check_base, replan, restore
 from slm.train.loop import Cadence, Callback, LoopPlan, RunState, Schedule, run_loop
 from slm.train.prepare import (
     TrainData,
@@ -51,6 +50,7 @@ from slm.train.prepare import (
     settle_config,
     setup_data,
 )
+from slm.train.restore import check_base, replan, restore
 from slm.train.step import make_flush_step
 
 __all__ = ["Config", "train"]
