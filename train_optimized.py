@@ -22,13 +22,12 @@ if __name__ == "__main__":  # Ctrl-C while the imports run (jax takes ~1 s): one
 
     signal.signal(signal.SIGINT, _interrupted)
 
-# slm.cli.train is imported first (it sorts first too): it notes the process start that --max-time counts from.
-from slm.cli.train import PROCESS_START, main
-
 if __name__ == "__main__":  # before jax is imported: restart once under huge-page malloc (slm/cli/malloc.py)
-    from slm.cli.malloc import reexec_with_huge_pages
+    from slm.cli.malloc import process_start, reexec_with_huge_pages
 
-    reexec_with_huge_pages(PROCESS_START)
+    reexec_with_huge_pages(process_start())  # --max-time counts from the first start (handed on)
+
+from slm.cli.train import main
 
 from slm.train.config import PRESETS, Config, apply_preset, auto_preset, validate
 from slm.train.run import train

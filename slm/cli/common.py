@@ -52,6 +52,8 @@ def run_main(body: Callable[[], object]) -> int:
             body()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        if "slm.io.checkpoints" in sys.modules:  # a failed save's or read's echoes, printed as the process exits
+            sys.modules["slm.io.checkpoints"].quiet_until_exit()
         jax = sys.modules.get("jax")
         if jax is not None and jax.distributed.is_initialized():  # don't wait at exit for processes that go on
             sys.stderr.flush()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import time
 
 TUNABLE = "glibc.malloc.hugetlb"
 START_VAR = "SLM_PROCESS_START"
@@ -57,9 +58,27 @@ def reexec_with_huge_pages(start: float) -> None:
         return
 
 
-def process_start(default: float) -> float:
-    """When --max-time counts from: the first start handed on by a re-execution, else `default`."""
+def process_start(default: float | None = None) -> float:
+    """When this process started, which --max-time counts from: the first start handed on by a re-execution,
+    else the kernel's record of this process's start (Linux; an exec keeps it), else `default`, else now."""
     try:  # taken out of the environment, so no process started from here inherits it
         return float(os.environ.pop(START_VAR))
     except (KeyError, ValueError):
-        return default
+        pass
+    started = linux_start_time()
+    if started is not None:
+        return started
+    return time.time() if default is None else default
+
+
+def linux_start_time() -> float | None:
+    """This process's start in seconds since the epoch, from /proc (None where there is no /proc): its age is
+    the system's uptime less the uptime it started at (both to 10 ms; an exec keeps the start)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the command's name
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None

@@ -5,10 +5,7 @@ from __future__ import annotations
 import time
 
 from slm.cli.malloc import process_start, reexec_with_huge_pages
-
-PROCESS_START = process_start(time.time())  # --max-time counts from here when run as a script
-
-from slm.train.devices import import_jax_quietly  # noqa: E402
+from slm.train.devices import import_jax_quietly
 
 import_jax_quietly()  # before anything imports jax: a --plan-for GPU plugin's native noise held back
 
@@ -36,12 +33,12 @@ def main(argv: list[str] | None = None) -> int:
 
         # --max-time counts from the process start on the command line; from this call when called with argv
         # (a notebook or a test that imported this module long before)
-        train(Config(**values), start_time=PROCESS_START if argv is None else time.time(), explicit=explicit)
+        train(Config(**values), start_time=process_start() if argv is None else time.time(), explicit=explicit)
 
     return run_main(body)
 
 
 def cli() -> int:
     """The `slm-train` command: `main` under huge-page malloc (slm.cli.malloc re-executes once)."""
-    reexec_with_huge_pages(PROCESS_START)
+    reexec_with_huge_pages(process_start())
     return main()

@@ -333,8 +333,9 @@ class _QuietDiskFull(logging.Filter):
         """A restore failed on damaged data (reported in one line): its reading coroutines, abandoned, would
         print a warning and a traceback each when garbage-collected. Collect them now, quietly."""
         self.read_failed = True
-        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
-        gc.collect()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+            gc.collect()
 
     def install(self) -> "_QuietDiskFull":
         for name in self.LOGGERS:
@@ -343,14 +344,26 @@ class _QuietDiskFull(logging.Filter):
         return self
 
     def remove(self) -> None:
-        if self.seen or self.read_failed:  # orbax's failed tasks report when garbage-collected, as late as the interpreter's exit
-            warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
-            gc.collect()
-            return
+        """Uninstall, leaving the process's loggers, hook and warning filters as found. A failure's abandoned
+        tasks are collected first, quietly; what orbax reports later still (at the interpreter's exit) the CLI
+        holds back with quiet_until_exit."""
+        if self.seen or self.read_failed:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+                gc.collect()
         for name in self.LOGGERS:
             logging.getLogger(name).removeFilter(self)
         if sys.unraisablehook == self.unraisable:
             sys.unraisablehook = self.previous
+
+
+def quiet_until_exit() -> None:
+    """For a process about to exit after a checkpoint failure it reported in one line (the CLI's error path):
+    hold back orbax's echoes of it that its tasks print when collected at the interpreter's exit."""
+    quiet = _QuietDiskFull()
+    quiet.seen, quiet.read_failed = "the failure already reported", True
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+    quiet.install()
 
 
 class Unreadable(Exception):

@@ -42,6 +42,7 @@ from slm.train.config import Config, RunFacts
 from slm.train.devices import Processes
 from slm.train.interrupts import SignalWatcher, spend_stale_stop
 from slm.train.loop import Cadence, Callback, LoopPlan, RunState, Schedule, run_loop
+from slm.train.process_state import as_found
 from slm.train.prepare import (
     TrainData,
     load_init_weights,
@@ -81,8 +82,13 @@ def train(config: Config, start_time: float | None = None, log: Log = print, exp
     (default: the fields that differ from Config's defaults). callbacks: extra slm.train.loop.Callbacks,
     called after the trainer's own. signals: a SignalWatcher (default: SIGTERM/SIGINT handlers while training).
     """
-    c = dataclasses.replace(config)
     start = clock() if start_time is None else start_time
+    with as_found():  # the compile cache, orbax's quieting: the process as found afterwards, whatever happens
+        return _settle_and_run(dataclasses.replace(config), start, log, explicit, callbacks, signals, clock, disk_usage)
+
+
+def _settle_and_run(c: Config, start: float, log: Log, explicit: set[str] | None, callbacks: Sequence[Callback],
+                    signals: SignalWatcher | None, clock: Callable[[], float], disk_usage: Callable[[str], Any]) -> dict:
     c, procs = settle_config(c, explicit, log)
     if not procs.primary:
         log = _silent  # one process speaks for all

@@ -1,8 +1,12 @@
 """slm.cli.malloc: when the command line re-executes itself under huge-page malloc, and with what."""
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
+from helpers import ROOT
 
 from slm.cli import malloc
 
@@ -34,7 +38,18 @@ def test_process_start_is_taken_out_of_the_environment(monkeypatch):
     monkeypatch.setenv("SLM_PROCESS_START", "42.5")
     assert malloc.process_start(99.0) == 42.5
     assert "SLM_PROCESS_START" not in os.environ
-    assert malloc.process_start(99.0) == 99.0
+    assert malloc.process_start(99.0) != 99.0 or not sys.platform.startswith("linux")  # then /proc's record
+
+
+def test_process_start_is_when_the_process_started():
+    # bracketed by the parent's clock before the spawn and the child's first reading (the kernel's record is
+    # to 10 ms)
+    before = time.time()
+    code = ("import time; t = time.time(); import sys; sys.path.insert(0, '.'); from slm.cli.malloc import "
+            "process_start; print(process_start(), t)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    start, first = map(float, r.stdout.split())
+    assert before - 0.02 <= start <= first + 0.02
 
 
 def test_child_environment_gets_the_tunable_unless_the_user_chose():
