@@ -22,6 +22,7 @@ import gc
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -379,19 +380,43 @@ def _chain(e: BaseException | None) -> list[BaseException]:
     return out
 
 
+# tensorstore raises ValueError("<absl status code>: ..."), its only structured part; a failed system call's
+# errno rides in its payload as [os_error_code='N'].
+_STATUS = re.compile(r"([A-Z_]+): ")
+_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")
+DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "FAILED_PRECONDITION")  # bytes short, garbled or missing
+
+
+def status_code(x: BaseException) -> str | None:
+    """The absl status code a tensorstore error starts with (OUT_OF_RANGE, DATA_LOSS, ...), else None."""
+    m = _STATUS.match(str(x)) if isinstance(x, ValueError) else None
+    return m.group(1) if m else None
+
+
+def error_number(x: BaseException) -> int | None:
+    """An exception's errno: an OSError's own, or the os_error_code tensorstore attaches to its status."""
+    if isinstance(x, OSError):
+        return x.errno
+    m = _OS_ERROR_CODE.search(str(x))
+    return int(m.group(1)) if m else None
+
+
 def _damaged_data(e: BaseException | None) -> bool:
-    """Whether a restore failed on the bytes it read (truncated, garbled), not on a mismatch of code and tree."""
-    signs = ("Error reading", "DATA_LOSS", "OUT_OF_RANGE", "Unterminated string", "Expecting", "corrupt")
-    return any(isinstance(x, json.JSONDecodeError) or any(sign in str(x) for sign in signs) for x in _chain(e))
+    """Whether a restore failed on the bytes it read (truncated, garbled, missing: a JSON record that does not
+    parse, or tensorstore's data-loss codes), not on a mismatch of code and tree."""
+    return any(isinstance(x, (json.JSONDecodeError, UnicodeDecodeError)) or status_code(x) in DAMAGE_CODES
+               for x in _chain(e))
 
 
 def _is_disk_full_text(text: str) -> bool:
-    return "No space left on device" in text or "os_error_code='28'" in text or "[Errno 28]" in text
+    """A log record's or unraisable's words for ENOSPC (text is all a record of orbax's threads carries)."""
+    return (os.strerror(errno.ENOSPC) in text or f"os_error_code='{errno.ENOSPC}'" in text
+            or f"[Errno {errno.ENOSPC}]" in text)
 
 
 def is_disk_full(e: BaseException | None) -> bool:
     """ENOSPC anywhere in an exception's chain (orbax wraps tensorstore's as ValueError: RESOURCE_EXHAUSTED)."""
-    return any(getattr(x, "errno", None) == errno.ENOSPC or _is_disk_full_text(str(x)) for x in _chain(e))
+    return any(error_number(x) == errno.ENOSPC for x in _chain(e))
 
 
 def _leaf_paths(tree: Any) -> set[str]:
