@@ -89,18 +89,28 @@ class MemoryPlan:
         return self.estimated_peak_rss_mb if self.platform == "cpu" else self.compiled_device_mb
 
     @property
-    def refusal(self) -> str | None:
-        """Why the run cannot start (one line naming the fix), or None when it fits."""
+    def shortfall(self) -> str | None:
+        """What does not fit, without the fix (one clause), or None when the run fits."""
         need, what = self.predicted_peak_mb, self.what
         if self.limit_mb is not None and need > self.limit_mb:
             return (f"this run needs ~{need:,.0f} MB of {what} but the {self.platform} has {self.limit_mb:,.0f} MB "
-                    f"available; try --use-8bit-optimizer, a smaller --batch-size with more "
-                    f"--gradient-accumulation-steps, or --memory-budget {self.limit_mb * 0.9 / 1024:.1f}GB --auto-fit")
+                    f"available")
         if self.budget_mb is not None and need > self.budget_mb:
             return (f"--memory-budget {self.budget_mb:,.0f} MB: this run needs ~{need:,.0f} MB of {what} "
-                    f"(compiled step {self.compiled_device_mb:,.0f} MB/device x {self.devices}); add --auto-fit, "
-                    f"or try --use-8bit-optimizer / a smaller --batch-size with more --gradient-accumulation-steps")
+                    f"(compiled step {self.compiled_device_mb:,.0f} MB/device x {self.devices})")
         return None
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the run cannot start and the changes that may fix it (one line), or None when it fits."""
+        short = self.shortfall
+        if short is None:
+            return None
+        if self.limit_mb is not None and self.predicted_peak_mb > self.limit_mb:
+            return (f"{short}; try --use-8bit-optimizer, a smaller --batch-size with more "
+                    f"--gradient-accumulation-steps, or --memory-budget {self.limit_mb * 0.9 / 1024:.1f}GB --auto-fit")
+        return (f"{short}; add --auto-fit, or try --use-8bit-optimizer / a smaller --batch-size with more "
+                f"--gradient-accumulation-steps")
 
     def record(self) -> dict:
         """The predictions kept in config.json and summary.json (every run checks the estimate)."""

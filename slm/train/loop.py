@@ -76,7 +76,7 @@ class RunState:
     elapsed_s: float = 0.0  # the run's --max-time clock at the latest step (StopConditions): all sessions' time
     progress: float = 0.0  # the schedule's progress at the latest step (a resume re-plans from it)
     # this process's view, not saved
-    prior_s: float = 0.0  # the --max-time clock that earlier sessions spent (elapsed_s of the checkpoint)
+    prior_s: float = 0.0  # the --max-time clock at this session's start: earlier sessions', less its start-up
     lr: float = 0.0
     losses: list = field(default_factory=list)  # per micro-step loss (device scalars) since the last log
     step_losses: list = field(default_factory=list)  # the latest optimizer step's micro-step losses (device scalars)

@@ -33,10 +33,10 @@ from slm.memory.estimate import estimate_memory_usage, parse_size
 from slm.memory.finetune import Finetune, model_shape
 from slm.memory.fit import fit_candidates
 from slm.memory.targets import Target, load_target
-from slm.model.sizing import ModelShape, choose_shape, count_params, default_dropout, default_learning_rate, \
-    default_loss_chunk, default_optimizer, default_vocab_size
+from slm.model.sizing import ModelShape, choose_shape, count_params, default_vocab_size
 from slm.train.aot import compile_only, target_devices
 from slm.train.config import Config, flag_name, lora_target_list
+from slm.train.defaults import resolve_defaults
 from slm.train.devices import start_backend
 
 Log = Callable[[str], None]
@@ -81,13 +81,9 @@ def plan_shape(c: Config) -> ModelShape:
 
 
 def resolved_for(c: Config, shape: ModelShape, platform: str) -> Config:
-    """`c` with the defaults a run on `platform` resolves (slm.train.prepare does the same on the real device)."""
-    matmul = c.matmul_precision or "float32"  # bf16 products are the default on bf16-capable CPUs only
-    return dataclasses.replace(
-        c, learning_rate=c.learning_rate or default_learning_rate(count_params(shape)),
-        optimizer=c.optimizer or default_optimizer(c.lora_rank is not None, bool(c.init_from)), matmul_precision=matmul,
-        loss_chunk=default_loss_chunk(shape.vocab_size, platform, matmul) if c.loss_chunk is None else c.loss_chunk,
-        dropout=default_dropout(bool(c.init_from)) if c.dropout is None else c.dropout)
+    """`c` with the defaults a run on `platform` resolves (slm.train.defaults, as the run there would: an
+    accelerator's products are float32 unless --matmul-precision says otherwise)."""
+    return resolve_defaults(c, shape, platform, "float32")[0]
 
 
 def device_bytes(tree: Any) -> int:

@@ -44,10 +44,6 @@ from slm.model.sizing import (
     ModelShape,
     choose_shape,
     count_params,
-    default_dropout,
-    default_learning_rate,
-    default_loss_chunk,
-    default_optimizer,
     default_vocab_size,
 )
 from slm.train.config import (
@@ -58,6 +54,7 @@ from slm.train.config import (
     lora_target_list,
     validate,
 )
+from slm.train.defaults import Choice, resolve_defaults
 from slm.train.devices import (
     Processes,
     configure_cpu_devices,
@@ -142,6 +139,7 @@ class TrainData:
     init_folder: str | None = None  # --init-from: the local folder (a hub id downloaded)
     base_fingerprint: str | None = None  # --init-from: sha256 of the weights as read (a LoRA checkpoint records it)
     chat_template: str | None = None  # --chat-template: the template string that formats each example
+    choices: list[Choice] = dataclasses.field(default_factory=list)  # defaults chosen with the data (the tokenizer)
 
 
 def eval_source_of(c: Config, source: TextSource, log: Log) -> TextSource | None:
@@ -222,14 +220,14 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
     source = training_source(c, log)
     eval_source = eval_source_of(c, source, log)
     heldout = held_out_docs(c, source) if eval_source is None else []
+    given_tokenizer = c.tokenizer
     init_shape, init_folder = pretrained(c, log) if c.init_from else (None, None)
+    choices = [] if given_tokenizer or not c.init_from else [
+        Choice("tokenizer", c.tokenizer, f"the pretrained model's own (--init-from {c.init_from})")]
     chat_template = load_chat_template(c.tokenizer) if c.chat_template else None  # after --init-from set c.tokenizer
     kept = chat_template or (optional_chat_template(c.tokenizer) if c.tokenizer else None)  # for generate --chat
     tokenizer, special, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log, kept)
     shape = init_shape or choose_shape(c.target_params, tokenizer.get_vocab_size(), c.n_layers, c.d_model, c.n_heads)
-    c.learning_rate = c.learning_rate or default_learning_rate(count_params(shape))
-    c.optimizer = c.optimizer or default_optimizer(c.lora_rank is not None, bool(c.init_from))
-    c.dropout = default_dropout(bool(c.init_from)) if c.dropout is None else c.dropout
     if eval_source is not None:
         whole = isinstance(eval_source, LocalFiles)  # a separate local file is scored whole, a hub split capped
         eval_set = build_eval_set(eval_source.documents(), tokenizer, c.seq_len, None if whole else c.eval_tokens,
@@ -249,7 +247,7 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
         data_mb = (rows[0].nbytes + rows[1].nbytes) / 2**20
         log(f"[data] full load: {rows[0].shape[0]:,} sequences, {data_mb:.1f} MB in memory")
     return TrainData(source, tokenizer, special, tok_s, eval_set, len(heldout), shape, data_mb, rows,
-                     chat_template=chat_template, init_folder=init_folder)
+                     chat_template=chat_template, init_folder=init_folder, choices=choices)
 
 
 def doc_start(c: Config, data: TrainData) -> int | None:
@@ -369,25 +367,32 @@ def fit_peak_flops(c: Config, platform: str) -> float | None:
     return peak * (1 if platform == "cpu" else len(jax.devices())) if peak == peak else None
 
 
-def plan_step(c: Config, data: TrainData, procs: Processes, log: Log) -> tuple[Any, Any, MemoryPlan]:
-    """Compile the step for the user's settings (or, under --auto-fit, the fastest candidates until XLA agrees
-    one fits) and check it against the machine and --memory-budget. Returns (built, compiled, plan); `c`
-    takes the chosen settings."""
+def settle_defaults(c: Config, data: TrainData, log: Log) -> tuple[Config, list[Choice]]:
+    """Every default the user left unset, resolved once the data and the backend are known (slm.train.defaults),
+    logged as one block: the complete Config and the choices (recorded in config.json)."""
     configure_cpu_devices(c.cpu_devices)  # before jax's backend starts: it is first imported here
-    enable_compile_cache()
-    c.matmul_precision = c.matmul_precision or default_matmul_precision()
-    chunk_given = c.loss_chunk is not None
-    if c.loss_chunk is None:
-        import jax
+    import jax
 
-        c.loss_chunk = default_loss_chunk(data.shape.vocab_size, jax.default_backend(), c.matmul_precision)
+    c, choices = resolve_defaults(c, data.shape, jax.default_backend(), default_matmul_precision())
+    choices = data.choices + choices
+    for choice in choices:
+        log(choice.line())
+    return c, choices
+
+
+def plan_step(c: Config, data: TrainData, procs: Processes, log: Log,
+              chunk_lever: bool) -> tuple[Any, Any, MemoryPlan, Config]:
+    """Compile the step for the settings (or, under --auto-fit, the fastest candidates until XLA agrees one
+    fits) and check it against the machine and --memory-budget. `chunk_lever`: --auto-fit may change the loss
+    chunk (the user did not give one). Returns (built, compiled, plan, the Config with the chosen settings)."""
+    enable_compile_cache()
     from slm.train.builder import StepSpec, build, training_mesh
 
     budget = parse_size(c.memory_budget) / 2**20 if c.memory_budget else None
-    choices = fit_choices(c, data, procs, chunk_lever=not chunk_given)
+    choices = fit_choices(c, data, procs, chunk_lever=chunk_lever)
+    chunk_given = not chunk_lever
     for i, choice in enumerate(choices[:4]):  # XLA has the last word: compile and check the best few
-        for k in FIT_KEYS + ("loss_chunk",):
-            setattr(c, k, choice.get(k, getattr(c, k)))
+        c = dataclasses.replace(c, **{k: choice[k] for k in FIT_KEYS + ("loss_chunk",) if k in choice})
         built = build(StepSpec.from_config(c, data.shape, doc_start(c, data)),
                       training_mesh(c.batch_size, bool(c.cpu_devices), choice.get("devices")))
         compiled, plan = memory_plan(c, built, data, budget * 0.9 if c.auto_fit and budget else budget)
@@ -408,10 +413,10 @@ def plan_step(c: Config, data: TrainData, procs: Processes, log: Log) -> tuple[A
         import jax
 
         if plan.platform == "cpu" and not c.cpu_devices and plan.devices < len(jax.devices()):
-            c.cpu_devices = plan.devices  # recorded in config.json: a resumed run makes the same devices
+            c = dataclasses.replace(c, cpu_devices=plan.devices)  # in config.json: a resume makes the same devices
     for line in plan.describe():
         log(line)
-    return built, compiled, plan
+    return built, compiled, plan, c
 
 
 def checked_refusal(c: Config, data: TrainData, procs: Processes, plan: MemoryPlan, refusal: str,
@@ -421,11 +426,12 @@ def checked_refusal(c: Config, data: TrainData, procs: Processes, plan: MemoryPl
     --seq-len fits, and what the smallest setting needs."""
     over_budget = plan.budget_mb is not None and plan.predicted_peak_mb > plan.budget_mb
     budget = c.memory_budget if over_budget else f"{plan.limit_mb * 0.9 / 1024:.1f}GB"
+    short = next((s for s in procs.gather(plan.shortfall) if s), refusal)  # every process's, as the refusal
     try:
         fit_choices(dataclasses.replace(c, auto_fit=True, memory_budget=budget), data, procs, chunk_lever)
         return refusal
     except ConfigError as e:
-        return f"{refusal.split('; ')[0]}; no setting of this run fits: {str(e).removeprefix('--auto-fit: ')}"
+        return f"{short}; no setting of this run fits: {str(e).removeprefix('--auto-fit: ')}"
 
 
 def fit_report(c: Config, choices: list[dict], i: int, plan: MemoryPlan) -> list[str]:

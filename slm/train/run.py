@@ -19,7 +19,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,7 @@ from slm.train.prepare import (
     load_init_weights,
     make_output_dir,
     plan_step,
+    settle_defaults,
     settle_config,
     setup_data,
 )
@@ -71,6 +72,7 @@ class Env:
     disk_usage: Callable[[str], Any]
     monitor: MemoryMonitor
     stack: ExitStack  # everything to close when the run ends, however it ends
+    defaults: dict[str, str] = field(default_factory=dict)  # each default the run chose: its reason
 
 
 def train(config: Config, start_time: float | None = None, log: Log = print, explicit: set[str] | None = None,
@@ -129,10 +131,13 @@ def _run(c: Config, out: str, locks: list, start: float, log: Log, procs: Any, s
         signals = signals if signals is not None else stack.enter_context(SignalWatcher(log))
         env = Env(out, start, log, procs, signals, clock, disk_usage, monitor, stack)
         data = setup_data(c, out, procs, log)
-        built, compiled, plan = plan_step(c, data, procs, log)
+        c, chosen = settle_defaults(c, data, log)
+        chunk_lever = any(choice.key == "loss_chunk" for choice in chosen)
+        built, compiled, plan, c = plan_step(c, data, procs, log, chunk_lever)
         load_init_weights(c, data, built, log)  # after the plan: read straight into their final layout
         handed = [compiled]  # _train's DeviceStep takes the only reference, so it can free it (for_epoch)
         del compiled
+        env.defaults = {choice.key: choice.reason for choice in chosen}  # config.json's record of them
         return _train(c, data, built, handed, plan, env, list(callbacks))
 
 
@@ -270,6 +275,8 @@ def _train(c: Config, data: TrainData, built: Any, handed: list, plan: MemoryPla
     else:
         step = DeviceStep(handed.pop(), built.batch_sharding, needs_step_sync(mesh), flush, base,
                           dropout_later(c, built, data, env.log))
+        if resumed:  # a resumed session's start-up (imports, compile, restore) is not training time: --max-time's
+            run.prior_s -= env.clock() - env.start  # clock goes on from the checkpoint's reading at the first step
         run_loop(run, step.for_epoch, batches.open, callbacks, lplan, procs, env.clock, resumed=bool(resumed))
     if run.step == 0 and c.max_steps != 0:
         raise DatasetError(f"{data.source.name}: no complete optimizer step was possible; use more data or a "
@@ -309,7 +316,7 @@ def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state
                      processes=procs.count, jax_version=jax.__version__)
     resolved = {**dataclasses.asdict(c), "output_dir": env.out, "vocab_size": data.shape.vocab_size,
                 "stride": c.stride or c.seq_len, "warmup_steps": lplan.schedule.warmup,
-                **dataclasses.asdict(facts)}
+                **dataclasses.asdict(facts), "defaults": env.defaults}
     if procs.primary:
         write_json(os.path.join(env.out, "config.json"), resolved)
     acc, n_dev = c.gradient_accumulation_steps, facts.devices

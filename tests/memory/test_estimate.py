@@ -15,11 +15,10 @@ from slm.memory.estimate import (
     estimate_memory_usage,
     host_breakdown,
     parse_size,
-    step_slack_mb,
 )
 from slm.memory.fit import fit_candidates, relative_speed
 from slm.memory.preflight import MemoryPlan
-from slm.model.sizing import choose_shape, count_params, default_vocab_size, hidden_matrix_shapes
+from slm.model.sizing import choose_shape, count_params, default_vocab_size
 from slm.model.transformer import Transformer, init_params
 from slm.optim.optimizer import make_optimizer
 from slm.train.builder import compiled_memory
@@ -32,22 +31,28 @@ def test_seed_call_and_keys_unchanged():
     assert isinstance(e, dict)
 
 
-def test_whole_run_breakdown_arithmetic():
+@pytest.mark.parametrize("eight,acc", [(False, 1), (True, 4)])
+def test_state_terms_are_the_bytes_of_the_state_jax_builds(eight, acc):
+    """Parameters, gradients, optimizer state and the accumulator: the bytes of the pytrees flax and optax build
+    for that model (eval_shape: nothing allocated), not the formula's own arithmetic re-done."""
     shape = choose_shape(1_000_000, default_vocab_size(1_000_000))  # the vocabulary the estimate assumes
-    n = count_params(shape)
-    e = estimate_memory_usage(1000, 128, 32, target_params=1_000_000, optimizer="adamw")
-    assert e["params_mb"] == round(4 * n / MB, 3) and e["gradients_mb"] == e["params_mb"]
-    assert abs(e["optimizer_state_mb"] - 8 * n / MB) < 0.01 and e["accumulation_mb"] == 0
-    parts = ("params_mb", "gradients_mb", "optimizer_state_mb", "accumulation_mb", "activations_mb", "logits_mb")
+    e = estimate_memory_usage(1000, 128, 32, target_params=1_000_000, optimizer="adamw", use_8bit_optimizer=eight,
+                              gradient_accumulation_steps=acc)
+    params = jax.eval_shape(lambda: init_params(Transformer(shape), 0, 128))
+    opt = jax.eval_shape(make_optimizer(use_8bit=eight, accumulation=acc).init, params)
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)) / MB  # noqa: E731
+    assert e["params_mb"] == pytest.approx(nbytes(params), rel=1e-3)
+    assert e["gradients_mb"] == pytest.approx(nbytes(params), rel=1e-3)  # one gradient per parameter
+    assert e["optimizer_state_mb"] + e["accumulation_mb"] == pytest.approx(nbytes(opt), rel=0.01)
+
+
+def test_the_estimate_scales_as_its_parts_do():
+    """Per-token terms follow the tokens per device; replicas, platforms, remat and a full load move the peak
+    the way they move memory."""
+    e = estimate_memory_usage(1000, 128, 32, target_params=1_000_000)
     assert e["update_mb"] < e["activations_mb"]  # batch 32: the backward pass is the step's peak, not the update
-    assert abs(e["device_total_mb"] - sum(e[k] for k in parts)) < 0.01
-    host = ("framework_mb", "streaming_mb", "device_total_mb", "step_slack_mb", "checkpoint_staging_mb")
-    assert abs(e["host_rss_mb"] - sum(e[k] for k in host)) < 0.01
-    q = estimate_memory_usage(1000, 128, 32, target_params=1_000_000, use_8bit_optimizer=True, gradient_accumulation_steps=4)
-    assert 2.0 * n / MB < q["optimizer_state_mb"] < 2.1 * n / MB and abs(q["accumulation_mb"] - 4 * n / MB) < 0.01
-    # Activations and logits are per token: twice the batch, twice the memory; two devices halve each one's.
     b2 = estimate_memory_usage(1000, 128, 64, target_params=1_000_000)
-    assert abs(b2["activations_mb"] - 2 * e["activations_mb"]) < 0.01
+    assert abs(b2["activations_mb"] - 2 * e["activations_mb"]) < 0.01  # twice the batch, twice the memory
     d2 = estimate_memory_usage(1000, 128, 64, target_params=1_000_000, devices=2)
     d4 = estimate_memory_usage(1000, 128, 128, target_params=1_000_000, devices=2)
     assert abs(d4["activations_mb"] - 2 * d2["activations_mb"]) < 0.01  # per device: batch / devices
@@ -95,19 +100,17 @@ def test_estimate_within_15_percent_of_xla_memory_analysis(target, batch, seq, r
 
 
 def test_step_peak_is_the_larger_phase_backward_or_update():
+    """At micro-batch 1 the optimizer's update is the step's peak, at a large one the backward pass (XLA agrees
+    on both kinds: test_estimate_within_15_percent_of_xla_memory_analysis); fsdp splits the update."""
     shape = choose_shape(50_000_000, 8192)
-    n = count_params(shape)
     small = device_breakdown(shape, 128, 1, use_8bit_optimizer=True, gradient_accumulation_steps=2)
     state = sum(small[k] for k in ("params", "gradients", "optimizer_state", "accumulation"))
-    assert small["update"] == int(2.3 * 4 * n) > small["activations"] + small["logits"]
-    assert small["total"] == state + small["update"]  # XLA: 1,187 MB/device; without the update term 776
-    hidden = sum(a * b for a, b in hidden_matrix_shapes(shape))
-    muon = device_breakdown(shape, 128, 1, gradient_accumulation_steps=2, optimizer="muon")
-    assert muon["update"] == int(4 * (n + 2.8 * hidden))  # Newton-Schulz's matrix-sized temporaries
+    assert small["update"] > small["activations"] + small["logits"] and small["total"] == state + small["update"]
     big = device_breakdown(shape, 512, 8, use_8bit_optimizer=True, gradient_accumulation_steps=2)
     assert big["total"] == state + big["activations"] + big["logits"]
+    dp = device_breakdown(shape, 128, 1, gradient_accumulation_steps=2, devices=4)
     fsdp = device_breakdown(shape, 128, 1, gradient_accumulation_steps=2, devices=4, fsdp=True)
-    assert fsdp["update"] == int(1.0 * 4 * n) // 4 and fsdp["gathered_params"] == 4 * n
+    assert fsdp["update"] < dp["update"] / 2 and fsdp["gathered_params"] == 4 * count_params(shape)
 
 
 def test_host_peak_counts_compile_leftovers_and_checkpoint_staging():
@@ -116,12 +119,9 @@ def test_host_peak_counts_compile_leftovers_and_checkpoint_staging():
     eight = device_breakdown(shape, 128, 4, use_8bit_optimizer=True, gradient_accumulation_steps=2)
     h32 = host_breakdown(shape, fp32, 2, "cpu", 11.3)
     h8 = host_breakdown(shape, eight, 2, "cpu", 11.3, use_8bit_optimizer=True)
-    # the 8-bit step compiles to a larger program: after the heap's trim ~15 MB + 0.65 MB per M params more
-    assert h8["runtime"] - h32["runtime"] == pytest.approx(15 + 0.65 * count_params(shape) / 1e6)
+    assert h8["runtime"] > h32["runtime"]  # the 8-bit step compiles to a larger program (its leftovers)
     state32 = (fp32["params"] + fp32["optimizer_state"] + fp32["accumulation"]) / MB
     assert h32["checkpoint_staging"] > state32  # the save's copy of one replica, beside the next step
-    assert h32["devices"] == 2 * fp32["total"] / MB and h32["step_slack"] == step_slack_mb(state32)
-    assert h32["total"] == pytest.approx(sum(v for k, v in h32.items() if k != "total"))
     gpu = host_breakdown(shape, fp32, 2, "gpu", 11.3)
     assert gpu["devices"] == 0 and gpu["checkpoint_staging"] == h32["checkpoint_staging"]  # staged in host RAM
     # The issue's run: 20M, seq 256, micro-batch 4 x 16, 8-bit, 2 devices peaked at 2,080 MB (2,054 earlier)
@@ -130,22 +130,13 @@ def test_host_peak_counts_compile_leftovers_and_checkpoint_staging():
     assert host_breakdown(shape, issue, 2, "cpu", 11.7, use_8bit_optimizer=True)["total"] > 2080
 
 
-def test_auto_fit_candidates_fit_the_whole_run_estimate():
+def test_auto_fit_candidates_keep_the_effective_batch_fastest_first():
     shape = choose_shape(20_000_000, 4096)
     budget = 4 * 2**30
     found = fit_candidates(shape, 256, 64, 1, budget, max_devices=2, platform="cpu", data_mb=11.7, optimizer="muon")
     assert {c["devices"] for c in found} == {1, 2} and {c["checkpoint_sync"] for c in found} == {False, True}
-    for c in found:
+    for c in found:  # whether they fit once run: tests/train/test_prepare.py measures the chosen one's peak
         assert c["batch_size"] * c["gradient_accumulation_steps"] == 64
-        assert c["predicted_peak_mb"] <= 0.9 * budget / MB
-        devices = c["devices"]
-        dev = device_breakdown(shape, 256, c["batch_size"] // devices, use_8bit_optimizer=c["use_8bit_optimizer"],
-                               mixed_precision=c["use_mixed_precision"],
-                               gradient_checkpointing=c["gradient_checkpointing"],
-                               gradient_accumulation_steps=c["gradient_accumulation_steps"], devices=devices,
-                               optimizer="muon")
-        host = host_breakdown(shape, dev, devices, "cpu", 11.7, c["use_8bit_optimizer"], c["checkpoint_sync"])
-        assert c["predicted_peak_mb"] == pytest.approx(host["total"])
     assert [c["rank"] for c in found] == sorted((c["rank"] for c in found), reverse=True)  # fastest first
 
 

@@ -1,0 +1,56 @@
+"""slm.train.defaults: every setting the user left unset is chosen in one place, said in one block with its
+reason and recorded in config.json; a setting the user gave is never changed."""
+
+import dataclasses
+import json
+
+import pytest
+
+from slm.model.sizing import choose_shape
+from slm.train.config import Config
+from slm.train.defaults import resolve_defaults
+from train_optimized import train
+
+UNSET = ("learning_rate", "optimizer", "dropout", "matmul_precision", "loss_chunk")
+GIVEN = {"learning_rate": 3e-4, "optimizer": "adamw", "dropout": 0.0, "matmul_precision": "float32",
+         "loss_chunk": 256}
+
+
+@pytest.mark.parametrize("given", [(), ("learning_rate",), ("optimizer", "loss_chunk"), tuple(GIVEN)])
+def test_a_given_setting_is_kept_and_each_unset_one_chosen_with_a_reason(given):
+    c = Config(dataset_id="x.txt", **{k: GIVEN[k] for k in given})
+    out, choices = resolve_defaults(c, choose_shape(1_000_000, 2048), "cpu", "bfloat16")
+    assert [ch.key for ch in choices] == [k for k in UNSET if k not in given]
+    assert all(getattr(out, k) == GIVEN[k] for k in given)
+    assert all(getattr(out, k) is not None for k in UNSET)  # complete
+    assert all(ch.reason and ch.line().startswith(f"[defaults] --{ch.key.replace('_', '-')} ") for ch in choices)
+    assert dataclasses.replace(out, **{k: getattr(c, k) for k in UNSET}) == c  # nothing else touched
+    assert c.learning_rate == GIVEN["learning_rate"] if "learning_rate" in given else c.learning_rate is None
+
+
+def test_a_pretrained_start_and_an_accelerator_get_their_own_defaults():
+    shape = choose_shape(5_000_000, 32_000)
+    scratch, _ = resolve_defaults(Config(dataset_id="x.txt"), shape, "cpu", "float32")
+    tuned, _ = resolve_defaults(Config(dataset_id="x.txt", init_from="some/model"), shape, "gpu", "float32")
+    assert (scratch.optimizer, scratch.dropout) == ("muon", 0.1)
+    assert (tuned.optimizer, tuned.dropout) == ("adamw", 0.0)  # docs/pretrained.md's measurement
+    # the loss chunk follows the precision the user chose, not the default one
+    given, _ = resolve_defaults(Config(dataset_id="x.txt", matmul_precision="bfloat16"), choose_shape(1_000_000, 2048),
+                                "cpu", "float32")
+    default, _ = resolve_defaults(Config(dataset_id="x.txt"), choose_shape(1_000_000, 2048), "cpu", "float32")
+    assert given.loss_chunk > 0 and default.loss_chunk == 0
+
+
+@pytest.mark.slow
+def test_the_run_says_its_defaults_in_one_block_and_records_them(tmp_path, data_dir):
+    logs = []
+    out = tmp_path / "run"
+    train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=100_000,
+                 seq_len=32, batch_size=8, max_steps=1, eval_tokens=2048, learning_rate=2e-3, output_dir=str(out)),
+          log=logs.append)
+    lines = [i for i, line in enumerate(logs) if line.startswith("[defaults]")]
+    assert lines == list(range(lines[0], lines[0] + len(lines)))  # one block
+    cfg = json.loads((out / "config.json").read_text())
+    assert sorted(cfg["defaults"]) == sorted(k for k in UNSET if k != "learning_rate")
+    assert cfg["learning_rate"] == 2e-3 and not any("--learning-rate" in logs[i] for i in lines)
+    assert all(cfg[k] is not None for k in UNSET)
