@@ -49,6 +49,7 @@ class Checkpointer:
         self.pending: int | None = None  # the last save, verified once it has been committed
         self.pending_tree: set[str] = set()  # its state's leaf paths, to compare with what was written
         self.eval_loss: dict[int, float] = {}  # step -> eval loss of the params saved there
+        self.pinned: set[int] = set()  # never pruned (WSD's last stable step: a longer run branches from it)
         self.last_bytes: int | None = None  # the size of the newest checkpoint on disk: what the next needs
         self.failure: DiskFullError | None = None  # a save the disk had no room for (the run stops)
         self.failed_step: int | None = None
@@ -63,7 +64,7 @@ class Checkpointer:
         steps = sorted(self.manager.all_steps())
         if self.keep is None or len(steps) <= self.keep:
             return
-        keep = set(steps[-self.keep:])
+        keep = set(steps[-self.keep:]) | self.pinned
         scored = [s for s in steps if s in self.eval_loss]
         if scored:
             keep.add(min(scored, key=self.eval_loss.get))
@@ -201,13 +202,13 @@ class Checkpointer:
                          f"a resume will check its record only")
         self._prune()
 
-    def set_aside(self, step: int) -> str:
-        """Rename a damaged checkpoint `<step>.damaged` (orbax then neither loads nor prunes it); its new name."""
-        new = self.path(step) + DAMAGED
+    def set_aside(self, step: int, suffix: str = DAMAGED) -> str:
+        """Rename a checkpoint `<step><suffix>` (`.damaged`: orbax then neither loads nor prunes it); its new name."""
+        new = self.path(step) + suffix
         n = 1
         while os.path.exists(new):
             n += 1
-            new = f"{self.path(step)}{DAMAGED}-{n}"
+            new = f"{self.path(step)}{suffix}-{n}"
         os.rename(self.path(step), new)
         self.manager.reload()
         return os.path.basename(new)

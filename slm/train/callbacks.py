@@ -213,6 +213,7 @@ class SaveCheckpoints(Callback):
         if self.procs.count > 1 and self.stream_state:  # every process's stream position, in the one checkpoint
             stream = {"processes": self.procs.gather({"loader": stream, "digest": run.data_digest})}
         scored = run.last_eval if run.last_eval and run.last_eval["step"] == run.step else None
+        self.ckpt.pinned = {run.stable_step} if run.stable_step is not None else set()
         self.ckpt.save(run.step, run.train_state, run.meta(self.procs.count), stream,
                        eval_loss=scored["eval_loss"] if scored else None)
         run.timings.last_save = self.clock()
@@ -236,18 +237,15 @@ class SaveCheckpoints(Callback):
 
 
 class StopConditions(Callback):
-    """--max-steps, --max-time (counted from `start`, after the time earlier sessions spent), SIGTERM/SIGINT and a
-    STOP file in the output dir."""
+    """--max-steps, --max-time (the run's clock, RunState.elapsed_s: earlier sessions' time included), SIGTERM/SIGINT
+    and a STOP file in the output dir."""
 
-    def __init__(self, max_steps: int | None, max_time: float | None, start: float, signals: SignalWatcher,
-                 out_dir: str, clock: Callable[[], float]):
-        self.max_steps, self.max_time, self.start = max_steps, max_time, start
-        self.signals, self.out_dir, self.clock = signals, out_dir, clock
+    def __init__(self, max_steps: int | None, max_time: float | None, signals: SignalWatcher, out_dir: str):
+        self.max_steps, self.max_time, self.signals, self.out_dir = max_steps, max_time, signals, out_dir
 
     def on_step(self, run: RunState) -> str | None:
         if self.max_steps and run.step >= self.max_steps:
             return f"--max-steps {self.max_steps}"
-        run.elapsed_s = run.prior_s + self.clock() - self.start  # earlier sessions count; the final save keeps it
         if self.max_time and run.elapsed_s >= self.max_time:
             return f"--max-time {self.max_time:g}s"
         if self.signals.received:

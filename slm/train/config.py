@@ -109,7 +109,7 @@ class Config:
     checkpoint_every: int = setting(1000, "Save a checkpoint every N optimizer steps, and at the end", ADJUSTABLE, "steps")
     checkpoint_minutes: float | None = setting(None, "Also save a checkpoint every M minutes of wall time", ADJUSTABLE, "minutes", unset="off")
     checkpoint_sync: str = setting("auto", "on: each save waits for its write before training goes on, so no step runs beside the save's copy of the state; off: saves write in the background; auto: on only when that copy is what does not fit --memory-budget or the machine", ADJUSTABLE, choices=("auto", "on", "off"))
-    keep_checkpoints: int = setting(3, "Keep the newest N checkpoints plus the best by eval loss (the newest is never deleted)", ADJUSTABLE, "checkpoints")
+    keep_checkpoints: int = setting(3, "Keep the newest N checkpoints plus the best by eval loss and, with --schedule wsd, the last before the decay (a longer run branches from it; the newest is never deleted)", ADJUSTABLE, "checkpoints")
     skip_nonfinite: int = setting(0, "Skip up to N steps whose loss or gradient is NaN/Inf (each logged) before stopping the run", ADJUSTABLE, "steps")
     output_dir: str | None = setting(None, "Where outputs go (default: a new folder under runs/)", PER_RUN)
     cpu_devices: int | None = setting(None, "CPU only: host devices to split each batch over (default: one per core, at most 8; see slm/train/devices.py)", ADJUSTABLE, "devices")

@@ -54,7 +54,7 @@ class Timings:
 
 # Keys of RunState saved in each checkpoint's meta record (with "processes"), the names older runs used.
 SAVED = ("step", "tokens", "epoch", "micro_step", "epoch_micro", "warmup_end", "est_total_tokens", "data_digest",
-         "skipped_nonfinite", "base_fingerprint", "train_from", "elapsed_s", "progress")
+         "skipped_nonfinite", "base_fingerprint", "train_from", "elapsed_s", "progress", "stable_step")
 
 
 @dataclass
@@ -73,8 +73,10 @@ class RunState:
     data_digest: str = ""  # sha256 chained over every micro-batch consumed
     skipped_nonfinite: int = 0
     base_fingerprint: str | None = None  # LoRA: sha256 of the frozen base the adapters were trained on
-    elapsed_s: float = 0.0  # the run's --max-time clock at the latest step (StopConditions): all sessions' time
+    elapsed_s: float = 0.0  # the run's --max-time clock at the latest step (_stepped): all sessions' time
     progress: float = 0.0  # the schedule's progress at the latest step (a resume re-plans from it)
+    stable_step: int | None = None  # WSD: the last step before the decay; its checkpoint is kept (a longer run
+    # branches from it: slm.train.restore)
     # this process's view, not saved
     prior_s: float = 0.0  # the --max-time clock at this session's start: earlier sessions', less its start-up
     lr: float = 0.0
@@ -181,6 +183,14 @@ class Schedule:
             run.warmup_end = progress
         return lr_at(progress, run.step, self.peak, self.warmup, warmup_end=run.warmup_end or 0.0,
                      kind=self.kind, decay_frac=self.decay_frac, warmup_from=run.train_from)
+
+    def decays_next(self, run: RunState, now: float, procs: Processes) -> bool:
+        """WSD: whether the next step is the run's first with a decayed rate (its progress, as read now, past
+        1 - decay_frac), so the state now is the last of the stable phase."""
+        if self.kind != "wsd" or self.decay_frac >= 1 or run.stable_step is not None:
+            return False
+        stable = 1 - self.decay_frac
+        return run.progress < stable <= self.progress(run, now, procs)  # the step just taken had the peak rate
 
     def epoch_done(self, run: RunState) -> None:
         if run.epoch == 0 and not (self.max_steps or self.max_time):  # one epoch counted: the schedule is exact
@@ -292,9 +302,12 @@ def _stepped(run: RunState, tokens: int, callbacks: Sequence[Callback], plan: Lo
     """Count an optimizer step of `tokens` global tokens and call the callbacks; any of them may stop the run."""
     run.step += 1
     run.tokens += tokens
+    run.elapsed_s = run.prior_s + clock() - plan.schedule.start  # --max-time's clock, read before any callback saves
     run.step_losses = run.losses[-(tokens // plan.micro_tokens):]  # its micro-steps; LogMetrics empties losses
     run.throughput.add(tokens)
     run.due = plan.cadence.due(run, clock(), procs)
+    if plan.schedule.decays_next(run, clock(), procs):  # WSD's stable phase ends here: its checkpoint is kept
+        run.stable_step, run.due = run.step, replace(run.due, save=True)
     for cb in callbacks:
         if reason := cb.on_step(run):
             run.stop(reason)

@@ -14,6 +14,8 @@ from slm.train.config import Config
 from slm.train.loop import LoopPlan, RunState
 from slm.train.resume import check_process_count
 
+SUPERSEDED = ".superseded"  # a decayed checkpoint a longer WSD run branched before (kept, not loaded)
+
 
 def restore(c: Config, ckpt: Checkpointer, state: Any, est: float | None, env: Any) -> tuple[RunState, dict]:
     """A fresh RunState, or (--resume) the newest complete checkpoint's: (run, {"meta", "loader"} or {})."""
@@ -30,7 +32,13 @@ def restore(c: Config, ckpt: Checkpointer, state: Any, est: float | None, env: A
         raise RunError(f"--resume {env.out}: no complete, sound checkpoint in {ckpt_dir}"
                        + (f" ({len(aside)} damaged ones moved aside: {', '.join(aside)})" if aside else "")
                        + "; an interrupted save is skipped")
-    state, meta, loader_state = restored  # with the live state's shardings
+    return _resumed(c, restored, est, env)
+
+
+def _resumed(c: Config, restored: tuple[Any, dict, dict], est: float | None, env: Any) -> tuple[RunState, dict]:
+    """The RunState of a restored checkpoint (state with the live state's shardings, meta, loader state)."""
+    state, meta, loader_state = restored
+    procs = env.procs
     check_process_count(env.out, meta.get("processes", 1), procs.count)
     if procs.count > 1 and c.use_streaming:
         mine = loader_state["processes"][procs.index]
@@ -38,6 +46,48 @@ def restore(c: Config, ckpt: Checkpointer, state: Any, est: float | None, env: A
     env.log(f"[resume] step {meta['step']} of {env.out}: {meta['tokens']:,} tokens, epoch {meta['epoch']}")
     run = RunState.from_meta({"est_total_tokens": est, **meta}, train_state=state)
     return run, {"meta": meta, "loader": loader_state}
+
+
+def branch_before_decay(c: Config, ckpt: Checkpointer, template: Any, run: RunState, resumed: dict, lplan: LoopPlan,
+                        env: Any) -> tuple[RunState, dict]:
+    """WSD, a run made longer: continue from its last step before the decay began (the checkpoint kept for this),
+    so the run follows a straight run's path to the new end instead of climbing back from a decayed rate. The
+    decayed checkpoints after it are renamed `<step>.superseded` (the old end's model stays on disk) and the
+    metrics rows of those steps are kept in metrics.superseded-<step>.jsonl. Otherwise (run, resumed) as given."""
+    stable = run.stable_step
+    if lplan.schedule.kind != "wsd" or stable is None or stable >= run.step:
+        return run, resumed
+    if _progress_at(run, lplan, env) >= run.progress - 1e-9:  # not longer: continue where it stopped
+        return run, resumed
+    newest = run.step
+    if stable not in ckpt.manager.all_steps():
+        env.log(f"[resume] the run is made longer, but its last checkpoint before the decay ({stable}) is gone; "
+                f"continuing from step {newest}, whose rate climbs back from the decayed one")
+        return run, resumed
+    run.train_state = None  # the decayed state goes before the stable one is read: one state in memory
+
+    def supersede() -> list[str]:
+        names = [ckpt.set_aside(s, SUPERSEDED) for s in sorted(ckpt.manager.all_steps()) if s > stable]
+        metrics = os.path.join(env.out, "metrics.jsonl")
+        if os.path.exists(metrics):
+            shutil.copyfile(metrics, os.path.join(env.out, f"metrics{SUPERSEDED}-{newest}.jsonl"))
+        return names
+
+    names = env.procs.decide0(supersede)
+    ckpt.manager.reload()
+    env.log(f"[resume] the run is made longer and decays at its end (WSD): it continues from step {stable}, its "
+            f"last before the decay began, as a straight run to the new end would; steps {stable + 1}-{newest} "
+            f"are trained again (their checkpoints kept as {', '.join(names)})")
+    branched, resumed = _resumed(c, ckpt.restore(template, stable), run.est_total_tokens, env)
+    branched.stable_step = None  # the stable phase goes on: the new run keeps the step before its own decay
+    return branched, resumed
+
+
+def _progress_at(run: RunState, lplan: LoopPlan, env: Any) -> float:
+    """The newest checkpoint's progress in the run's new terms (read as Schedule.replan reads it)."""
+    last = dataclasses.replace(run, step=max(run.step - 1, 0), tokens=max(run.tokens - lplan.tokens_per_step, 0),
+                               prior_s=run.elapsed_s)
+    return lplan.schedule.progress(last, env.start, env.procs)
 
 
 def replan(c: Config, run: RunState, lplan: LoopPlan, env: Any) -> None:

@@ -52,7 +52,7 @@ from slm.train.prepare import (
     settle_config,
     setup_data,
 )
-from slm.train.restore import check_base, replan, restore
+from slm.train.restore import branch_before_decay, check_base, replan, restore
 from slm.train.step import make_flush_step
 
 __all__ = ["Config", "train"]
@@ -255,6 +255,7 @@ def _train(c: Config, data: TrainData, built: Any, handed: list, plan: MemoryPla
     check_disk(c, env, state)
     run, resumed = restore(c, ckpt, state, estimated_total_tokens(c, data), env)
     if resumed:
+        run, resumed = branch_before_decay(c, ckpt, state, run, resumed, lplan, env)
         replan(c, run, lplan, env)
         if procs.primary:
             spend_stale_stop(env.out, env.log)
@@ -440,7 +441,7 @@ def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, reso
             *([MixtureShares(loader.counts, procs.primary, log)] if isinstance(loader, MixtureLoader) else []),
             SaveCheckpoints(ckpt, loader.state_json if loader is not None else None, procs, clock),
             *extra,
-            StopConditions(c.max_steps, c.max_time, env.start, env.signals, out, clock),
+            StopConditions(c.max_steps, c.max_time, env.signals, out),
             plot, emit]
 
 

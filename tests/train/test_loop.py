@@ -204,8 +204,7 @@ def test_no_flush_after_a_stop():
 
 def test_max_steps_and_the_schedule():
     step = FakeStep()
-    stops = StopConditions(max_steps=4, max_time=None, start=1000.0, signals=SignalWatcher(), out_dir="/nonexistent",
-                           clock=FakeClock())
+    stops = StopConditions(max_steps=4, max_time=None, signals=SignalWatcher(), out_dir="/nonexistent")
     state, _ = run(lp=plan(max_steps=4), callbacks=[stops], step=step)
     assert state.step == 4 and state.stop_reason == "--max-steps 4"
     assert step.lrs[:2] == pytest.approx([5e-4, 1e-3])  # linear warmup over 2 steps
@@ -217,15 +216,14 @@ def test_max_steps_and_the_schedule():
 
 def test_max_time_by_the_injected_clock():
     clock = FakeClock(tick=10.0)  # every clock read advances 10 s
-    stops = StopConditions(max_steps=None, max_time=100.0, start=1000.0, signals=SignalWatcher(), out_dir="/x",
-                           clock=clock)
+    stops = StopConditions(max_steps=None, max_time=100.0, signals=SignalWatcher(), out_dir="/x")
     state, _ = run(n_batches=50, lp=plan(max_time=100.0), callbacks=[stops], clock=clock)
     assert state.stop_reason == "--max-time 100s" and 1 <= state.step < 50
 
 
 def test_a_signal_stops_the_run_after_its_step():
     signals = SignalWatcher()
-    stops = StopConditions(None, None, 1000.0, signals, "/runs/x", FakeClock())
+    stops = StopConditions(None, None, signals, "/runs/x")
 
     class Deliver(Callback):
         def on_step(self, run):
@@ -238,11 +236,11 @@ def test_a_signal_stops_the_run_after_its_step():
 
 def test_a_stop_file_stops_the_run(tmp_path):
     (tmp_path / "STOP").touch()
-    stops = StopConditions(None, None, 1000.0, SignalWatcher(), str(tmp_path), FakeClock())
+    stops = StopConditions(None, None, SignalWatcher(), str(tmp_path))
     state, _ = run(callbacks=[stops])
     assert state.step == 1 and state.stop_reason.startswith("STOP file in the output dir (removed")
     assert not (tmp_path / "STOP").exists()  # spent: a later --resume trains on (issue 41: it stopped it again)
-    again, _ = run(callbacks=[StopConditions(None, None, 1000.0, SignalWatcher(), str(tmp_path), FakeClock())])
+    again, _ = run(callbacks=[StopConditions(None, None, SignalWatcher(), str(tmp_path))])
     assert again.step == 6 and again.stop_reason == "epochs done"
 
 
@@ -263,7 +261,7 @@ def test_a_run_extended_by_steps_follows_the_straight_runs_schedule():
         lp = LoopPlan(1, 1, B * L, B * L, Schedule(1e-3, 10, max_steps), Cadence(1, 10**6, 10**6))
         if state is not None:
             lp.schedule.replan(state, Processes(), lp.tokens_per_step)
-        stops = StopConditions(max_steps, None, 0.0, SignalWatcher(), "/x", FakeClock())
+        stops = StopConditions(max_steps, None, SignalWatcher(), "/x")
         final, _ = run(n_batches=batches, lp=lp, callbacks=[stops], step=step, run_state=state)
         return final, lrs_by_step(step, first)
 
@@ -286,7 +284,7 @@ def test_a_time_limited_run_counts_its_earlier_sessions_and_an_extension_follows
         if state is not None:
             state.prior_s = state.elapsed_s
             lp.schedule.replan(state, Processes(), lp.tokens_per_step)
-        cbs = [StopConditions(None, max_time, 0.0, SignalWatcher(), "/x", clock)]
+        cbs = [StopConditions(None, max_time, SignalWatcher(), "/x")]
         cbs += [Recorder("stop", [], stop_at=stop_at)] if stop_at else []
         final, _ = run(n_batches=1000, lp=lp, callbacks=cbs, step=step, clock=clock, run_state=state)
         return final, step.lrs

@@ -104,11 +104,12 @@ def test_checkpoint_minutes_and_keep_in_the_trainer(tmp_path, data_dir, monkeypa
     from train_optimized import Config, train
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    out = tmp_path / "run"
-    train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
-                 seq_len=64, batch_size=8, eval_tokens=2048, max_steps=5, checkpoint_minutes=1e-9,
-                 keep_checkpoints=2, output_dir=str(out)), log=lambda *_: None)
-    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [4, 5]
+    for schedule, kept in (("cosine", [4, 5]), ("wsd", [3, 4, 5])):  # wsd: also its last step before the decay
+        out = tmp_path / schedule
+        train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                     seq_len=64, batch_size=8, eval_tokens=2048, max_steps=5, checkpoint_minutes=1e-9,
+                     keep_checkpoints=2, schedule=schedule, output_dir=str(out)), log=lambda *_: None)
+        assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == kept
 
 
 @pytest.mark.slow
@@ -214,3 +215,38 @@ def test_a_resume_with_a_new_limit_replaces_the_old_one_and_ends_decayed(tmp_pat
     peak = max(r["lr"] for r in rows)
     resumed = [r["lr"] for r in rows if r["step"] > first["steps"]]
     assert len(resumed) == 40 and max(resumed) <= peak and resumed[-1] < 0.12 * peak  # ends decayed
+
+
+@pytest.mark.slow
+def test_a_wsd_run_made_longer_branches_before_its_decay_and_equals_the_straight_run(tmp_path, data_dir,
+                                                                                     monkeypatch):
+    """Issue 41's goal for extensions: 20 steps (WSD, decaying over the last half), then --resume --max-steps 40.
+    The run continues from step 10, its last before the decay (kept although --keep-checkpoints 1 prunes the
+    rest), so it follows the straight 40-step run's path: the same losses step for step and the same held-out
+    loss. The decayed end is kept as 20.superseded, with its metrics rows."""
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def cfg(out, steps):
+        return Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                      seq_len=64, batch_size=8, eval_tokens=2048, log_every=1, eval_every=10**6, warmup_steps=2,
+                      checkpoint_every=3, keep_checkpoints=1, schedule="wsd", max_steps=steps, output_dir=str(out))
+
+    quiet = lambda *_: None  # noqa: E731
+    straight = train(cfg(tmp_path / "straight", 40), log=quiet)
+    out = tmp_path / "extended"
+    short = train(cfg(out, 20), log=quiet)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["10", "20"]  # 10: the last stable step
+    lines: list[str] = []
+    extended = train(Config(resume=str(out), max_steps=40), log=lines.append)
+    assert any("continues from step 10" in line for line in lines), lines
+
+    def losses(run):
+        return {r["step"]: r["loss"] for r in map(json.loads, open(run / "metrics.jsonl")) if "loss" in r}
+
+    a, b = losses(tmp_path / "straight"), losses(out)
+    assert sorted(b) == list(range(1, 41)) and max(abs(a[k] - b[k]) for k in a) <= 1e-6
+    assert extended["eval_loss"] == pytest.approx(straight["eval_loss"], abs=1e-6)
+    assert extended["eval_loss"] < short["eval_loss"]
+    assert (out / "checkpoints" / "20.superseded").is_dir() and (out / "metrics.superseded-20.jsonl").exists()
