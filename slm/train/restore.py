@@ -9,7 +9,7 @@ import shutil
 from typing import Any
 
 from slm.errors import ConfigError, RunError
-from slm.io.checkpoints import Checkpointer
+from slm.io.checkpoints import Checkpointer, Unreadable
 from slm.train.config import Config
 from slm.train.loop import LoopPlan, RunState
 from slm.train.resume import check_process_count
@@ -60,11 +60,18 @@ def branch_before_decay(c: Config, ckpt: Checkpointer, template: Any, run: RunSt
     if _progress_at(run, lplan, env) >= run.progress - 1e-9:  # not longer: continue where it stopped
         return run, resumed
     newest = run.step
-    if stable not in ckpt.manager.all_steps():
-        env.log(f"[resume] the run is made longer, but its last checkpoint before the decay ({stable}) is gone; "
-                f"continuing from step {newest}, whose rate climbs back from the decayed one")
+    problem = "it is gone" if stable not in ckpt.manager.all_steps() else env.procs.decide0(lambda: ckpt.check(stable))
+    if problem:
+        env.log(f"[resume] the run is made longer, but its last checkpoint before the decay ({stable}) cannot be "
+                f"used ({problem}); continuing from step {newest}, whose rate climbs back from the decayed one")
         return run, resumed
     run.train_state = None  # the decayed state goes before the stable one is read: one state in memory
+    try:
+        restored = ckpt.restore(template, stable)  # before anything is renamed: a failure leaves the run as it was
+    except Unreadable as e:
+        env.log(f"[resume] the run is made longer, but its last checkpoint before the decay ({stable}) is damaged "
+                f"({e}); continuing from step {newest}, whose rate climbs back from the decayed one")
+        return _resumed(c, ckpt.restore(template, newest), run.est_total_tokens, env)
 
     def supersede() -> list[str]:
         names = [ckpt.set_aside(s, SUPERSEDED) for s in sorted(ckpt.manager.all_steps()) if s > stable]
@@ -78,7 +85,7 @@ def branch_before_decay(c: Config, ckpt: Checkpointer, template: Any, run: RunSt
     env.log(f"[resume] the run is made longer and decays at its end (WSD): it continues from step {stable}, its "
             f"last before the decay began, as a straight run to the new end would; steps {stable + 1}-{newest} "
             f"are trained again (their checkpoints kept as {', '.join(names)})")
-    branched, resumed = _resumed(c, ckpt.restore(template, stable), run.est_total_tokens, env)
+    branched, resumed = _resumed(c, restored, run.est_total_tokens, env)
     branched.stable_step = None  # the stable phase goes on: the new run keeps the step before its own decay
     return branched, resumed
 

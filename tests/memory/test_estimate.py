@@ -203,6 +203,7 @@ def test_a_save_that_waits_is_chosen_only_when_the_copy_does_not_fit():
     assert plan.checkpoint_sync and plan.refusal is None and plan.staging_mb == 0.0
     plan.settle_sync("off")
     assert not plan.checkpoint_sync and plan.refusal is not None
+    assert plan.refusal.startswith(plan.shortfall + "; ") and "--auto-fit" not in plan.shortfall  # the fix apart
     short = _plan(base_rss_mb=450.0, staging_alone_mb=0.0, saves_beside_steps=False)
     assert short.staging_mb == 0.0 and short.estimated_peak_rss_mb < full
 

@@ -250,3 +250,27 @@ def test_a_wsd_run_made_longer_branches_before_its_decay_and_equals_the_straight
     assert extended["eval_loss"] == pytest.approx(straight["eval_loss"], abs=1e-6)
     assert extended["eval_loss"] < short["eval_loss"]
     assert (out / "checkpoints" / "20.superseded").is_dir() and (out / "metrics.superseded-20.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_wsd_extension_whose_stable_checkpoint_is_damaged_continues_from_the_newest(tmp_path, data_dir,
+                                                                                       monkeypatch):
+    """The checkpoint to branch from fails its manifest check: one line says so and the run continues from its
+    newest checkpoint (nothing renamed), as a cosine run would."""
+    from train_optimized import Config, train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    train(Config(dataset_id=str(data_dir / "tinyshakespeare.txt"), use_streaming=True, target_params=150_000,
+                 seq_len=64, batch_size=8, eval_tokens=2048, eval_every=10**6, warmup_steps=2, schedule="wsd",
+                 max_steps=20, output_dir=str(out)), log=lambda *_: None)
+    state_files = [p for p in (out / "checkpoints" / "10" / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
+    big = max(state_files, key=lambda p: p.stat().st_size)
+    big.write_bytes(big.read_bytes()[: big.stat().st_size // 2])
+    lines: list[str] = []
+    extended = train(Config(resume=str(out), max_steps=30), log=lines.append)
+    assert extended["steps"] == 30
+    said = [line for line in lines if "before the decay (10) cannot be used" in line]
+    assert len(said) == 1 and "continuing from step 20" in said[0], lines
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())[-1] == "30"
+    assert not any(".superseded" in p.name for p in (out / "checkpoints").iterdir())
