@@ -148,6 +148,7 @@ class RunFacts:
     devices: int
     processes: int
     jax_version: str
+    defaults: dict = dataclasses.field(default_factory=dict)  # each setting the run chose for the user: its reason
 
 
 DERIVED_KEYS = frozenset(f.name for f in dataclasses.fields(RunFacts))

@@ -314,10 +314,10 @@ def write_config(c: Config, data: TrainData, built: Any, plan: MemoryPlan, state
                      model_flops_per_token=flops_per_token(data.shape, c.seq_len),
                      optimizer_state_bytes=opt_bytes, memory_plan=plan.record(),
                      held_out_documents=data.held_out_documents, device=str(device), devices=int(mesh.devices.size),
-                     processes=procs.count, jax_version=jax.__version__)
+                     processes=procs.count, jax_version=jax.__version__, defaults=env.defaults)
     resolved = {**dataclasses.asdict(c), "output_dir": env.out, "vocab_size": data.shape.vocab_size,
                 "stride": c.stride or c.seq_len, "warmup_steps": lplan.schedule.warmup,
-                **dataclasses.asdict(facts), "defaults": env.defaults}
+                **dataclasses.asdict(facts)}
     if procs.primary:
         write_json(os.path.join(env.out, "config.json"), resolved)
     acc, n_dev = c.gradient_accumulation_steps, facts.devices

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from slm.cli.config_file import load_config_file
 from slm.model.sizing import choose_shape
 from slm.train.config import Config
 from slm.train.defaults import resolve_defaults
@@ -54,3 +55,6 @@ def test_the_run_says_its_defaults_in_one_block_and_records_them(tmp_path, data_
     assert sorted(cfg["defaults"]) == sorted(k for k in UNSET if k != "learning_rate")
     assert cfg["learning_rate"] == 2e-3 and not any("--learning-rate" in logs[i] for i in lines)
     assert all(cfg[k] is not None for k in UNSET)
+    # the run's own config.json repeats it (--config), the defaults record read as a derived key
+    values, notes = load_config_file(str(out / "config.json"), Config)
+    assert "defaults" not in values and values["optimizer"] == cfg["optimizer"] and notes
