@@ -390,7 +390,6 @@ def plan_step(c: Config, data: TrainData, procs: Processes, log: Log,
 
     budget = parse_size(c.memory_budget) / 2**20 if c.memory_budget else None
     choices = fit_choices(c, data, procs, chunk_lever=chunk_lever)
-    chunk_given = not chunk_lever
     for i, choice in enumerate(choices[:4]):  # XLA has the last word: compile and check the best few
         c = dataclasses.replace(c, **{k: choice[k] for k in FIT_KEYS + ("loss_chunk",) if k in choice})
         built = build(StepSpec.from_config(c, data.shape, doc_start(c, data)),
@@ -403,7 +402,7 @@ def plan_step(c: Config, data: TrainData, procs: Processes, log: Log,
         if not c.auto_fit:
             for line in plan.describe():
                 log(line)
-            raise ConfigError(checked_refusal(c, data, procs, plan, refusal, not chunk_given))
+            raise ConfigError(checked_refusal(c, data, procs, plan, refusal, chunk_lever))
     else:
         raise ConfigError(f"--auto-fit: none of the {i + 1} fastest candidates fits once compiled (last: "
                           f"{refusal}); raise the budget or lower --target-params / --seq-len")
