@@ -197,7 +197,7 @@ def fit(a: argparse.Namespace) -> None:
     from jax.sharding import Mesh
 
     from slm.memory.finetune import CHUNKED_BYTES_PER_D
-    from slm.model.sizing import ModelShape, count_params, logit_columns
+    from slm.model.sizing import ModelShape, count_params, logit_columns, visible_keys
     from slm.train.aot import compile_only, target_devices
     from slm.train.builder import StepSpec, build, compile_step
     from slm.train.devices import start_backend
@@ -219,7 +219,7 @@ def fit(a: argparse.Namespace) -> None:
                     with compile_only():
                         peak = program_peak(compile_step(build(spec, mesh))[0])
                     T, cols = B * S, logit_columns(V, None, target.platform)
-                    X.append([T * L * D, T * L * F, T * L * H * S, T * (cols + (CHUNKED_BYTES_PER_D * D / cols
+                    X.append([T * L * D, T * L * F, T * L * H * visible_keys(S), T * (cols + (CHUNKED_BYTES_PER_D * D / cols
                                                                                  if cols < V else 0)), 1.0])
                     y.append(peak - 16 * count_params(shape))
                     if a.verbose:

@@ -12,7 +12,9 @@ MLP width, heads, vocab; see slm/model/sizing.py):
     gradients     4N                      float32, a temporary of the step
     optimizer     8N  float32 AdamW m, v  | ~2.03N with 8-bit state (model_sizing.optimizer_state_bytes)
     accumulation  4N  when accumulating   optax.MultiSteps' float32 gradient sum
-    activations   Bd*S*L*(a*D + b*F + c*H*S)   what the backward pass keeps, incl. attention scores
+    activations   Bd*S*L*(a*D + b*F + c*H*S') + t*Bd*H*Sb*S   what the backward pass keeps, incl. attention
+                  scores: S' = visible_keys(S) keys a query's block is computed against, Sb its block's rows
+                  (slm.model.attention); the last term one block's scores, a transient
     logits        Bd*S*V*e                     logits, softmax and their gradient
     update        4*(u*N + m*H)                the optimizer update's temporaries (H: Muon's hidden matrices)
     device total  params + gradients + optimizer + accumulation + max(activations + logits, update)
@@ -32,11 +34,11 @@ by n, and `gathered` (4N) is added: XLA:CPU all-gathers the full weights for the
 stay full-size before their reduce-scatter (bench/sharding.py@1a39af2: 10M params on 8 devices, 237 MB/device
 compiled vs 259 predicted, +9%; DP 300 vs 321, +7%).
 
-The coefficients a, b, c, e (bytes) are fitted to XLA's memory analysis of this trainer's compiled step
-(jax 0.10.2, XLA:CPU; one device: 48 configurations, 4 shapes x 3 batch/seq x remat x bf16, worst error
-3.7%; two devices (the step partitioned over a mesh): 64 configurations, worst error 4.1%):
+The coefficients a, b, c, e, t (bytes) are fitted to XLA's memory analysis of this trainer's compiled step
+(jax 0.10.2, XLA:CPU; per key 20 configurations, 5 shapes x 4 batch/seq up to seq 2,048, on one device and
+partitioned over two: bench/lora_memory_xla.py --fit scratch, 2026-11-26; worst error 1.9% in float32, 5.7% in bf16):
 XLA's CPU scheduler keeps most activations live even with remat, so gradient checkpointing saves only
-5-12% on CPU. Other backends and versions differ; the trainer's pre-flight compiles the real step and
+0-5% on CPU. Other backends and versions differ; the trainer's pre-flight compiles the real step and
 reads XLA's own figure, and bench/memory_accuracy.py measures these formulas against it.
 
 Host RSS (`host_breakdown`; MB) is the whole run's peak, not one step's:
@@ -91,30 +93,35 @@ MB = 1 << 20
 
 @dataclass(frozen=True)
 class ActivationCoefficients:
-    """Bytes per token per layer per unit of D, F and H*S, and per token per vocab entry."""
+    """Bytes per token per layer per unit of D, F and H x visible_keys(S), per token per vocab entry, and per
+    score of one attention block (a transient of the backward pass, not kept per layer)."""
 
     a: float
     b: float
     c: float
     e: float
+    t: float = 0.0
 
 
 # Fitted on XLA:CPU (jax 0.10.2) by relative least squares; keys: (remat, mixed_precision, partitioned).
-# A step partitioned over several devices keeps fewer attention bytes per token than a one-device step.
+# Refitted 2026-11-26 for the blocked causal attention (bench/lora_memory_xla.py --fit scratch: 5 shapes x 4 batch/seq
+# up to seq 2,048, 20 compiles a key; worst error 1.4-1.9% in float32, 4.1-5.7% under mixed precision). The
+# shapes' F/D is ~2.7 throughout, so a and b trade against each other: only a*D + b*F is determined there.
 COEFFICIENTS = {
-    (False, False, False): ActivationCoefficients(3.29, 29.04, 12.47, 11.45),
-    (False, True, False): ActivationCoefficients(35.12, 14.68, 12.03, 8.40),
-    (True, False, False): ActivationCoefficients(1.98, 25.50, 12.47, 11.48),
-    (True, True, False): ActivationCoefficients(41.79, 13.19, 11.75, 7.50),
-    (False, False, True): ActivationCoefficients(11.94, 26.03, 8.29, 12.45),
-    (False, True, True): ActivationCoefficients(39.16, 12.77, 7.84, 9.96),
-    (True, False, True): ActivationCoefficients(10.94, 22.37, 8.29, 12.49),
-    (True, True, True): ActivationCoefficients(49.57, 10.24, 7.60, 8.52),
+    (False, False, False): ActivationCoefficients(93.07, 6.41, 7.68, 8.15, 12.38),
+    (False, True, False): ActivationCoefficients(71.24, 3.86, 3.45, 8.05, 14.29),
+    (True, False, False): ActivationCoefficients(94.15, 1.98, 7.67, 8.15, 12.45),
+    (True, True, False): ActivationCoefficients(83.94, 0.00, 3.30, 7.99, 15.39),
+    (False, False, True): ActivationCoefficients(111.46, 0.00, 7.63, 8.25, 12.43),
+    (False, True, True): ActivationCoefficients(82.73, 0.00, 3.40, 8.14, 14.44),
+    (True, False, True): ActivationCoefficients(100.78, 0.00, 7.62, 8.24, 12.54),
+    (True, True, True): ActivationCoefficients(85.33, 0.00, 3.33, 8.06, 15.23),
 }
 
 # Fitted to XLA's own buffer assignment for the target's compiler, from this CPU (--plan-for's compile-only
 # devices: bench/plan_for_xla.py fit, 2026-11-25, jax 0.10.2): an H100 for "gpu", a TPU v5e for "tpu"; keys
-# (remat, mixed precision); (a, b, c, e, k) with k a constant in bytes. On a GPU the bf16 step runs cuDNN's
+# (remat, mixed precision); (a, b, c, e, t, k) with k a constant in bytes (t 0: the block transient is in c).
+# On a GPU the bf16 step runs cuDNN's
 # fused attention, which keeps no (S, S) scores (c ~ 0); XLA:GPU and the TPU compiler fuse far more than
 # XLA:CPU, so their activations are a fraction of COEFFICIENTS' (docs/memory.md, "Plan for the GPU or TPU").
 # Without remat the five are per layer and token (as COEFFICIENTS); with remat, those of the one block being
@@ -122,8 +129,8 @@ COEFFICIENTS = {
 # Fit errors (worst of 20 steps, 5 shapes x 4 token counts): 6.8%, 4.1%; remat 27.8%, 15.5%. TPU: not fitted
 # (its padded layouts do not follow these terms: 21-49% off); a TPU target is planned on COEFFICIENTS.
 ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] = {
-    "gpu": {(False, False): (0.0, 22.04, 8.56, 7.74, 0.0), (False, True): (0.0, 11.41, 0.03, 7.97, 0.0),
-            (True, False): (0.0, 0.0, 10.23, 4.97, 0.0), (True, True): (0.0, 0.0, 0.07, 7.72, 0.0)},
+    "gpu": {(False, False): (0.0, 22.04, 8.56, 7.74, 0.0, 0.0), (False, True): (0.0, 11.41, 0.03, 7.97, 0.0, 0.0),
+            (True, False): (0.0, 0.0, 10.23, 4.97, 0.0, 0.0), (True, True): (0.0, 0.0, 0.07, 7.72, 0.0, 0.0)},
 }
 
 # Update-phase temporaries in units of 4N, and in units of 4H for Muon's hidden matrices; keyed by 8-bit

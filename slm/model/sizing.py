@@ -106,6 +106,23 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> int:
     return 6 * matmul_params + 12 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
 
 
+def attention_block(length: int, blocks: int = 4, smallest: int = 64, largest: int = 512) -> int:
+    """The query block of causal attention (slm.model.attention) for a sequence of `length`: a quarter of it,
+    within 64..512 rows; `length` itself (one block) when that is no shorter. Measured on a 2-core Zen 3 EPYC
+    (2026-11-26, bench/attention.py): at seq 256 blocks of 64 beat 128 and 256; at 1,024 and 2,048 blocks of
+    256-512 beat 64-128 (smaller products run below the matmul's speed) and 1,024 (less is skipped). Each
+    block is unrolled in every layer: compile time."""
+    size = min(max(-(-length // blocks), smallest), largest)
+    return length if size >= length else size
+
+
+def visible_keys(seq_len: int) -> float:
+    """The keys a query's block is computed against, on average: the memory and work of blocked causal
+    attention per query (seq_len for one block; (n + 1) / 2n of it for n equal blocks)."""
+    c = attention_block(seq_len)
+    return sum(min(start + c, seq_len) * (min(start + c, seq_len) - start) for start in range(0, seq_len, c)) / seq_len
+
+
 def default_head_dim(d_model: int) -> int:
     return 64 if d_model >= 512 and d_model % 64 == 0 else 32
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from slm.model.attention import causal_attend
 from slm.model.lora import LoraSpec, adapted
 from slm.model.loss import chunked_token_nll
 from slm.model.matmul import bf16_dot_general, bf16_linear_rows
@@ -134,8 +135,9 @@ def normed_qk(shape: ModelShape, q: jax.Array, k: jax.Array) -> tuple[jax.Array,
 
 def attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mask_LxS: jax.Array,
            dtype: Dtype, scale: float | None = None) -> jax.Array:
-    """Scaled dot-product attention under a boolean mask -> (B, L, H, K), logits times `scale` (default
-    K^-0.5). With G < H key/value heads each serves H/G consecutive query heads (transformers' repeat_kv
+    """Scaled dot-product attention under any boolean mask -> (B, L, H, K), logits times `scale` (default
+    K^-0.5): the KV-cache decoder's, whose queries sit at a traced position of the cache (training, eval and
+    --plan-for's programs run slm.model.attention.causal_attend). With G < H key/value heads each serves H/G consecutive query heads (transformers' repeat_kv
     order), without materialising copies."""
     B, L, H, K = q_BxLxHxK.shape
     scale = K ** -0.5 if scale is None else scale
@@ -159,8 +161,8 @@ def fused_attention_fits(dtype: Dtype, platform: str | None = None, head_dim: in
     for heads of at most 128 in multiples of 8 (jax refuses others: Gemma 3's 256 takes the einsum attention;
     found by --plan-for, which compiles the GPU's program).
     It never materialises the (L, L) scores: at 85M params, seq 1024 on an H100 the einsum attention held
-    ~20 GB of activations and ran at 0.36x nanoGPT's tokens/s (docs/performance.md). CPUs keep the einsum
-    attention, which measured as fast as jax.nn.dot_product_attention's XLA version there."""
+    ~20 GB of activations and ran at 0.36x nanoGPT's tokens/s (docs/performance.md). Elsewhere the model runs
+    slm.model.attention's blocked causal attention (CPUs, TPUs, float32 on GPUs)."""
     platform = platform or jax.default_backend()  # --plan-for compiles a GPU's program on a CPU
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and platform == "gpu"
             and head_dim <= 128 and head_dim % 8 == 0)
@@ -183,16 +185,16 @@ class Attention(nn.Module):
         q, k, v = project_qkv(self.shape, self.dtype, x_BxLxD, self, self.lora, self.matmul, self.nf4)
         q, k = normed_qk(self.shape, q, k)
         if layout is None:  # one causal sequence
-            q, k, mask = rotary(q, *rope), rotary(k, *rope), jnp.tril(jnp.ones((L, L), dtype=bool))
+            q, k, doc_mask = rotary(q, *rope), rotary(k, *rope), None
         else:  # packed documents kept apart (document_layout)
-            pos_BxL, mask = layout
+            pos_BxL, doc_mask = layout
             q, k = rotary_positions(q, pos_BxL, *rope), rotary_positions(k, pos_BxL, *rope)
         if layout is None and not window and fused_attention_fits(self.dtype, self.platform, K):
             out_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=self.shape.query_scale,
                                                        implementation="cudnn")
         else:
-            index_L = jnp.arange(L)
-            out_BxLxHxK = attend(q, k, v, windowed(mask, index_L, index_L, window), self.dtype, self.shape.query_scale)
+            out_BxLxHxK = causal_attend(q, k, v, self.dtype, self.shape.query_scale, window=window,
+                                        mask_BxLxS=doc_mask, bf16=self.matmul == "bfloat16")
         out_BxLxHK = out_BxLxHxK.reshape(B, L, H * K)
         o = dense(D, "o", self.dtype, 0.02 / (2 * self.shape.n_layers) ** 0.5, bias=self.shape.o_bias,
                   matmul=self.matmul, nf4=self.nf4)
