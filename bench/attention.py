@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from slm.model.attention import causal_attend  # noqa: E402
 from slm.model.sizing import attention_block  # noqa: E402
 from slm.model.transformer import attend  # noqa: E402
+from plan_for_xla import host  # noqa: E402  (bench/, beside this script)
 
 SHAPES = {  # name: (batch, seq, query heads, kv heads, head dim)
     "LoRA race (SmolLM2-135M), seq 256 x 4": (4, 256, 9, 3, 64),
@@ -52,7 +53,7 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args()
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {jax.devices()[0].device_kind}, {len(jax.devices())} device(s)")
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {host()}, {len(jax.devices())} jax device(s), bf16 operands: {a.bf16}")
     print("| shape | block | einsum ms | blocked ms | einsum / blocked |\n|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for name, (B, L, H, G, K) in SHAPES.items():

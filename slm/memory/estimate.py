@@ -38,7 +38,7 @@ The coefficients a, b, c, e, t (bytes) are fitted to XLA's memory analysis of th
 (jax 0.10.2, XLA:CPU; per key 20 configurations, 5 shapes x 4 batch/seq up to seq 2,048, on one device and
 partitioned over two: bench/lora_memory_xla.py --fit scratch, 2026-11-26; worst error 1.9% in float32, 5.7% in bf16):
 XLA's CPU scheduler keeps most activations live even with remat, so gradient checkpointing saves only
-0-5% on CPU. Other backends and versions differ; the trainer's pre-flight compiles the real step and
+0-10% on CPU. Other backends and versions differ; the trainer's pre-flight compiles the real step and
 reads XLA's own figure, and bench/memory_accuracy.py measures these formulas against it.
 
 Host RSS (`host_breakdown`; MB) is the whole run's peak, not one step's:

@@ -155,13 +155,25 @@ def test_auto_fit_takes_the_fastest_fitting_lever_not_the_smallest_micro_batch()
     assert all(c["devices"] == 1 for c in fit(2) if c["batch_size"] == 1)
 
 
-def test_relative_speed_follows_the_timed_steps():
-    """bench/fit_speed.py at 20M, seq 256 (2026-11-25): micro-batch 1 x 64 913 tok/s, 8 on two devices 1,293,
-    64 on one 747: the model orders them the same way and keeps micro-batch 1 within 0.6-0.9 of the best."""
-    n = 20_000_000
-    one, eight2, big = (relative_speed(256, m, d, params=n) for m, d in ((1, 1), (4, 2), (64, 1)))
-    assert eight2 > one > big * 0.9 and 0.6 < one / eight2 < 0.9
-    assert relative_speed(256, 1, 1, params=n, remat=True) < one
+# Held-out timings: the speed model was fitted at 20M and 50M params, seq 256 (2026-11-25); these were timed after
+# it at 5M params, seq 128, effective batch 32 (bench/fit_speed.py --target-params 5000000 --seq-len 128
+# --batch-size 32 --micro 1,4,16,32 --remat 0 --eight 0 --repeats 9; 2026-11-26 09:36, 2-core AMD EPYC Zen 3).
+# (micro-batch, host devices): tokens/s.
+HELD_OUT_5M_SEQ128 = {(1, 1): 1147, (4, 1): 1888, (4, 2): 2148, (16, 1): 1708, (16, 2): 2183, (32, 1): 1695,
+                      (32, 2): 1870}
+
+
+def test_relative_speed_picks_the_fastest_of_held_out_timings():
+    """What --auto-fit takes from the model is its first choice: on timings it was not fitted to, that choice
+    is the measured fastest (within 5%), and micro-batch 1 (the fixed costs' worst case) is last in both.
+    Not asserted, because it does not hold: the full order (4 sequences on two devices measured 1.14x one
+    device at 256 tokens a device, where the model expects a gain only from 1,024)."""
+    def predicted(key):
+        return relative_speed(128, key[0] // key[1], key[1], params=5_000_000)
+
+    best = max(HELD_OUT_5M_SEQ128.values())
+    assert HELD_OUT_5M_SEQ128[max(HELD_OUT_5M_SEQ128, key=predicted)] >= 0.95 * best
+    assert min(HELD_OUT_5M_SEQ128, key=predicted) == min(HELD_OUT_5M_SEQ128, key=HELD_OUT_5M_SEQ128.get) == (1, 1)
 
 
 def _plan(base_rss_mb=None, platform="cpu", **kw):
