@@ -49,12 +49,12 @@ from slm.model.hf_config import shape_from_hf_config
 from slm.model.sizing import (
     ModelShape,
     adam_state_bytes,
+    attention_block,
     count_params,
     hidden_matrix_shapes,
     logit_columns,
     lora_param_shapes,
     visible_keys,
-    attention_block,
 )
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "nf4": 2}  # nf4: its non-block matrices (base_param_bytes)
@@ -202,7 +202,7 @@ def backward_bytes(shape: ModelShape, tokens: int, seq_len: int, coefficients: t
     a, b, c, e, t = coefficients[:5]
     fixed = coefficients[5] if len(coefficients) > 5 else 0.0  # an accelerator's constant (ACCEL_COEFFICIENTS)
     # One attention block's scores at a time: the backward pass's float32 temporaries of the block it is in.
-    fixed += t * tokens / seq_len * H * attention_block(seq_len) * seq_len
+    fixed += t * tokens * H * attention_block(seq_len)
     # Chunked, XLA:CPU keeps ~64 bytes per token per unit of D beyond the chunk's logits (the loop's float32
     # dx carry and its operands): fitted to 5 shapes, 1M-30M params, vocab 2,048-32,000 (docs/memory.md).
     logits = tokens * (V * e + (CHUNKED_BYTES_PER_D * D if V < shape.vocab_size else 0))
