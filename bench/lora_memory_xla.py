@@ -37,7 +37,7 @@ import numpy as np
 from plan_for_xla import FIT_SHAPES, FIT_TOKENS, relative_nnls  # bench/, beside this script
 
 from slm.memory.estimate import MB, device_breakdown, estimate_memory_usage
-from slm.memory.finetune import CHUNKED_BYTES_PER_D, QK_NORM_BYTES, Finetune, model_shape
+from slm.memory.finetune import Finetune, backward_bytes, model_shape
 from slm.model.sizing import ModelShape, attention_block, logit_columns, visible_keys
 
 MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "models")
@@ -81,10 +81,9 @@ def row(shape: ModelShape, batch: int, seq: int, devices: int, remat: bool, mixe
                            devices=devices, finetune=ft, optimizer="adamw")
     if est["update"] > est["activations"] + est["logits"]:
         return None
-    T, L, D, H, V = batch // devices * seq, shape.n_layers, shape.d_model, shape.n_heads, shape.vocab_size
-    cols = logit_columns(V, None, "cpu")
-    fixed = T * (CHUNKED_BYTES_PER_D * D if cols < V else 0)
-    fixed += T * L * QK_NORM_BYTES * (H + shape.kv_heads) * shape.head_dim if shape.qk_norm else 0
+    T, L, D, H = batch // devices * seq, shape.n_layers, shape.d_model, shape.n_heads
+    cols = logit_columns(shape.vocab_size, None, "cpu")
+    fixed = sum(backward_bytes(shape, T, seq, (0.0,) * 5))  # the terms with no coefficient: chunked loss, q/k norms
     rest = est["total"] - est["activations"] - est["logits"]
     block = batch // devices * H * attention_block(seq) * seq  # one block's scores, not kept: a transient
     return [T * L * D, T * L * shape.d_ff, T * L * H * visible_keys(seq), T * cols, block], xla_mb * MB - rest - fixed
@@ -123,9 +122,12 @@ def fit(a: argparse.Namespace) -> None:
             for mixed in (False, True):
                 if a.only and a.only != f"{remat},{mixed},{devices}":
                     continue
-                got = [row(shape, B, S, devices, remat, mixed, a.fit == "lora")
-                       for shape, B, S in rows_of(a.fit, remat, mixed, devices)]
-                got = [g for g in got if g is not None]
+                got, labels = [], []  # the rows kept, each with its label
+                for shape, B, S in rows_of(a.fit, remat, mixed, devices):
+                    g = row(shape, B, S, devices, remat, mixed, a.fit == "lora")
+                    if g is not None:
+                        got.append(g)
+                        labels.append(f"L{shape.n_layers} D{shape.d_model} H{shape.n_heads} V{shape.vocab_size} B{B} S{S}")
                 X, y = np.array([g[0] for g in got], float), np.array([g[1] for g in got], float)
                 if a.attention_only:  # today's a, b, e kept: only the attention's two columns refitted
                     keep = np.array(current(a.fit, remat, mixed, devices)[:4])[[0, 1, 3]]
@@ -136,9 +138,8 @@ def fit(a: argparse.Namespace) -> None:
                     coef = relative_nnls(X, y)
                 err = X @ coef / y - 1
                 if a.verbose:
-                    for (shape, B, S), e in zip(list(rows_of(a.fit, remat, mixed, devices)), err):
-                        print(f"   L{shape.n_layers} D{shape.d_model} H{shape.n_heads} V{shape.vocab_size} B{B} S{S}: "
-                              f"{e * 100:+.1f}%")
+                    for label, e in zip(labels, err):  # only the kept rows: each label stays with its row
+                        print(f"   {label}: {e * 100:+.1f}%")
                 print(f"(remat {remat}, mixed {mixed}, devices {devices}): ({', '.join(f'{c:.2f}' for c in coef)}) "
                       f"worst {np.abs(err).max() * 100:.1f}% over {len(y)} rows", flush=True)
 

@@ -60,9 +60,9 @@ def causal_attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Arr
         visible = cols[None, :] <= rows[:, None]
         if window:
             visible &= rows[:, None] - cols[None, :] < window
-        visible = jnp.broadcast_to(visible, (B, stop - start, last - first))
+        visible = visible[None]  # (1, Lc, Sc): broadcast over the batch unless a document mask differs per row
         if mask_BxLxS is not None:
-            visible &= mask_BxLxS[:, start:stop, first:last]
+            visible = visible & mask_BxLxS[:, start:stop, first:last]
         outs.append(_block(q_BxGxLxRxK[:, :, start:stop], k_BxGxSxK[:, :, first:last],
                            v_BxGxSxK[:, :, first:last], visible, scale))
     out_BxGxLxRxK = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
@@ -70,7 +70,8 @@ def causal_attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Arr
 
 
 def _scores(q_BxGxLxRxK: jax.Array, k_BxGxSxK: jax.Array, visible_BxLxS: jax.Array, scale: float) -> jax.Array:
-    """Masked, scaled logits (B, G, L, R, S) in float32; the R query heads of a group ride with L."""
+    """Masked, scaled logits (B, G, L, R, S) in float32; the R query heads of a group ride with L. The mask's
+    batch axis may be 1 (the same mask for every row)."""
     s = lax.dot_general(q_BxGxLxRxK, k_BxGxSxK, (((4,), (3,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
     return jnp.where(visible_BxLxS[:, None, :, None, :], s * scale, NEG)
 
@@ -95,12 +96,12 @@ def _block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: 
 def _block_fwd(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> tuple:
     p = _probs(q, k, visible, scale).astype(v.dtype)
     o = _mix(p, v)
-    return o, (q, k, v, visible, p, o)
+    return o, (q, k, v, p, o)  # no mask: P is already 0 where a key is hidden
 
 
 def _block_bwd(scale: float, res: tuple, do_BxGxLxRxK: jax.Array) -> tuple:
     """dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO * O)), dQ = dS K scale, dK = dS^T Q scale."""
-    q, k, v, visible, p, o = res
+    q, k, v, p, o = res
     operand = v.dtype
     d_BxGxLxRx1 = jnp.sum(do_BxGxLxRxK * o, axis=-1, keepdims=True)
     do = do_BxGxLxRxK.astype(operand)
