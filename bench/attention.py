@@ -29,6 +29,8 @@ from slm.model.transformer import attend  # noqa: E402
 from plan_for_xla import host  # noqa: E402  (bench/, beside this script)
 
 SHAPES = {  # name: (batch, seq, query heads, kv heads, head dim)
+    "the main job (1M), seq 128 x 16 a device": (16, 128, 4, 4, 32),
+    "nanoGPT's baby shape, seq 64 x 6 a device": (6, 64, 4, 4, 32),
     "LoRA race (SmolLM2-135M), seq 256 x 4": (4, 256, 9, 3, 64),
     "from scratch 10M, seq 256 x 8": (8, 256, 6, 6, 64),
     "from scratch 10M, seq 1,024 x 4": (4, 1024, 6, 6, 64),
@@ -52,11 +54,12 @@ def main() -> None:
     p.add_argument("--blocks", help="comma-separated block sizes (default: slm.model.sizing.attention_block)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--only", default="", help="the shapes whose name contains this text (e.g. 'main job')")
     a = p.parse_args()
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {host()}, {len(jax.devices())} jax device(s), bf16 operands: {a.bf16}")
     print("| shape | block | einsum ms | blocked ms | einsum / blocked |\n|---|---|---|---|---|")
     rng = np.random.default_rng(0)
-    for name, (B, L, H, G, K) in SHAPES.items():
+    for name, (B, L, H, G, K) in ((n, x) for n, x in SHAPES.items() if a.only in n):
         q, w = (jnp.asarray(rng.normal(size=(B, L, H, K)), jnp.float32) for _ in range(2))
         k, v = (jnp.asarray(rng.normal(size=(B, L, G, K)), jnp.float32) for _ in range(2))
         mask = jnp.tril(jnp.ones((L, L), bool))

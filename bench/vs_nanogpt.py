@@ -46,22 +46,21 @@ same machine (and the same other programs' load) in alternating slices. Step tim
 consecutive step ends (nanoGPT's printed per-iteration `time`, ours' metrics.jsonl elapsed_s differences);
 the figure is the median over the same step range (steps skip+1..N, i.e. nanoGPT's iterations skip..N-1), so
 compile/warm-up steps and the few steps that straddle a slice boundary (at most one per slice) do not count.
+That holds while a slice holds several steps: a program whose median step exceeds a quarter of --slice is
+named in a warning with the slice to rerun at (at seq 1,024 a 2 s step in 4 s slices measured 6 s: most steps
+straddled a boundary and counted the other program's slice).
 tokens/s = 768 / median step time; model FLOP/s = 6 x params x tokens/s, with params counted the same way for
 both: every parameter except a learned position table, the tied token embedding once (it is the output
 layer's matrix) -- nanoGPT's own get_num_params() (795,904) and ours' count_params (800,000; rotary
 positions, no table).
-Then (not --no-floor) the ceiling: our step's matrix products alone at that shape (`bench/step_variants.py
---floor-only`: every forward and backward product of the step, as one XLA program split over the devices as
-the step is, nothing else), and nanoGPT's median step over that floor: the speed ratio a step that cost
-nothing but its matrix products would reach.
 
 --shape 10m: the speed race at nanoGPT's Shakespeare GPU model instead (6 layers, d_model 384, 6 heads, seq
 256), with batch 8 so a step takes about a second on 2 cores; ours gets --target-params = nanoGPT's
-get_num_params() there, so SwiGLU's d_ff matches GELU's parameter count. The floor is measured at the baby
-shape only. --peer-compile runs nanoGPT with --compile=True (torch.compile: its best CPU setting; its first
+get_num_params() there, so SwiGLU's d_ff matches GELU's parameter count.
+--peer-compile runs nanoGPT with --compile=True (torch.compile: its best CPU setting; its first
 iterations compile and fall in the skipped warm-up) in both races.
 
-Precision: both of our runs (and the floor) take --matmul-precision, by default bfloat16 where the CPU has
+Precision: both of our runs take --matmul-precision, by default bfloat16 where the CPU has
 AVX512-BF16 or AMX-BF16 (the projections', MLP's and head's products with bf16 operands and float32 sums;
 slm/model/matmul.py), else float32. nanoGPT's recipe on CPU runs float32 (its train.py uses no autocast on
 CPU), and it is raced as its README gives it.
@@ -129,11 +128,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slice", type=float, default=None, help="seconds per time slice in the speed race (default 4)")
     p.add_argument("--no-quality", action="store_true", help="speed race only")
     p.add_argument("--no-speed", action="store_true", help="quality race only")
-    p.add_argument("--no-floor", action="store_true", help="skip timing our step's matrix products alone")
     p.add_argument("--context", type=int, default=64,
                    help="our quality run's --seq-len: nanoGPT's block size, 64 (0: the trainer's default, 128)")
     p.add_argument("--matmul-precision", default=None, choices=("float32", "bfloat16"),
-                   help="our runs' --matmul-precision, both races and the floor (default: bfloat16 where the CPU "
+                   help="our runs' --matmul-precision, both races (default: bfloat16 where the CPU "
                         "has AVX512-BF16 or AMX-BF16, else float32; nanoGPT's CPU recipe is float32 either way)")
     p.add_argument("--ours", default="", help="extra flags for our quality-race run (quoted), e.g. '--seq-len 256'")
     p.add_argument("--quiet-below", type=float, default=0.5,
@@ -147,6 +145,10 @@ def parse_args() -> argparse.Namespace:
                    help="run nanoGPT under the trainer's huge-page malloc too (GLIBC_TUNABLES=glibc.malloc.hugetlb=1; "
                         "the trainer sets it for itself, slm/cli/malloc.py): the same allocator for both")
     p.add_argument("--shape", default="baby", choices=sorted(SHAPES), help="the speed race's shape (default baby)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="the speed race's block size instead of the shape's (e.g. 1024 with --batch-size 2 for the 10m "
+                        "shape: the same tokens a step as its seq 256 x 8)")
+    p.add_argument("--batch-size", type=int, default=None, help="the speed race's batch instead of the shape's")
     p.add_argument("--peer-compile", action="store_true", help="nanoGPT with --compile=True (torch.compile)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, runs, checkpoints)")
@@ -598,7 +600,7 @@ def speed_race(a: argparse.Namespace, peer: str, scratch: str) -> dict:
     char_tokenizer(tok, peer)
     run_dir = os.path.join(scratch, "ours-speed")
     ng_out = os.path.join(peer, "out-speed")
-    shape = SHAPES[a.shape]
+    shape = dict(SHAPES[a.shape], **{k: v for k, v in (("block_size", a.seq_len), ("batch_size", a.batch_size)) if v})
     ng_params = nanogpt_params(peer, shape)
     theirs, our_shape = shape_flags(shape, 800_000 if a.shape == "baby" else ng_params)
     tokens_per_step = shape["batch_size"] * shape["block_size"]
@@ -635,27 +637,14 @@ def speed_race(a: argparse.Namespace, peer: str, scratch: str) -> dict:
         print(f"[speed] {k}: median step {r['median_step_s'] * 1e3:.2f} ms over steps {first}-{last} ({r['n']} steps), "
               f"{r['tokens_per_sec']:,.0f} tok/s, {r['gflops']:.1f} model GFLOP/s (6 x {r['params']:,} x tok/s); ran "
               f"{r['run_s']:.0f}s in {r['slices']} slices, during which {load_line(r)}", flush=True)
+        if r["median_step_s"] * 4 > a.slice:  # a step that straddles a boundary counts the other's slice too
+            print(f"[speed] WARNING: {k}'s steps ({r['median_step_s']:.1f} s) are too long for {a.slice:g} s slices: "
+                  f"many straddle a slice boundary and include the other program's slice; rerun with --slice "
+                  f"{math.ceil(r['median_step_s'] * 10)}", flush=True)
     out["ratio"] = out["ours"]["gflops"] / out["nanoGPT"]["gflops"]
     out["step_time_ratio"] = out["nanoGPT"]["median_step_s"] / out["ours"]["median_step_s"]
-    if not a.no_floor and a.shape == "baby":
-        out["floor_s"] = matmul_floor(a.matmul_precision)
-        print(f"[speed] our step's matrix products alone (bench/step_variants.py --floor-only): "
-              f"{out['floor_s'] * 1e3:.2f} ms", flush=True)
     print(f"[speed] {uptime()}", flush=True)
     return out
-
-
-def matmul_floor(matmul: str = "float32") -> float:
-    """Seconds for our step's matrix products alone at the baby shape (bench/step_variants.py --floor-only, under
-    the trainer's huge-page malloc): no step of this model, run by XLA on these devices, can be faster."""
-    from slm.cli.malloc import (
-        with_huge_pages,  # the allocator the trainer runs under (slm/cli/malloc.py)
-    )
-
-    r = subprocess.run([PY, os.path.join(HERE, "step_variants.py"), "--floor-only", "--matmul-precision", matmul], capture_output=True, text=True,
-                       check=True, env=with_huge_pages(dict(os.environ)))
-    line = next(x for x in r.stdout.splitlines() if "matmuls only:" in x)
-    return float(line.split("matmuls only:")[1].split("ms")[0]) / 1e3
 
 
 def nanogpt_params(peer: str, shape: dict = SHAPES["baby"]) -> int:
@@ -684,7 +673,8 @@ def main() -> None:
     print(f"vs nanoGPT, one sitting: {m['date']} | {m['cpu']}, {m['cores']} cores | python {m['python']}, "
           f"jax {m['jax']}, jaxlib {m['jaxlib']}, flax {m['flax']}, optax {m['optax']}, torch {m['torch']}, "
           f"numpy {m['numpy']} | ours --matmul-precision {a.matmul_precision}{' | --quick' if a.quick else ''}"
-          f" | speed race at the {a.shape} shape | nanoGPT {'--compile=True' if a.peer_compile else 'as its recipe (no compile)'}"
+          f" | speed race at the {a.shape} shape{f' (seq {a.seq_len})' if a.seq_len else ''}"
+          f"{f' (batch {a.batch_size})' if a.batch_size else ''} | nanoGPT {'--compile=True' if a.peer_compile else 'as its recipe (no compile)'}"
           f"{' | nanoGPT under GLIBC_TUNABLES=' + os.environ['GLIBC_TUNABLES'] if a.peer_huge_pages else ''}", flush=True)
     start_uptime = uptime()
     print(f"[start] {start_uptime}", flush=True)
@@ -741,9 +731,6 @@ def report(r: dict) -> None:
               f"{r['args']['matmul_precision']}, nanoGPT float32 (its CPU recipe)")
         print(f"      other programs' load during the slices: nanoGPT's {ng['others_cores']:.2f} cores, ours "
               f"{us['others_cores']:.2f} cores")
-        if "floor_s" in s:
-            print(f"      ceiling: our step's matrix products alone take {s['floor_s'] * 1e3:.2f} ms, so a step "
-                  f"costing nothing else would reach {ng['median_step_s'] / s['floor_s']:.2f}x nanoGPT's speed")
         if "quality" in r:
             qm = r["quality"]["nanogpt"]["median_step_s"]
             print(f"      nanoGPT's median iteration in the quality race {qm * 1e3:.2f} ms vs {ng['median_step_s'] * 1e3:.2f} "

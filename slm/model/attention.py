@@ -1,6 +1,6 @@
-"""Causal attention for the training step, eval and --plan-for's programs (the KV-cache decoder keeps
-slm.model.transformer.attend): exact softmax attention computed block by block, each block of queries
-against only the keys it can see.
+"""Causal attention for the training step, eval, the sampler's prefill and --plan-for's programs (the
+KV-cache decoder's one-token steps keep slm.model.transformer.attend): exact softmax attention computed
+block by block, each block of queries against only the keys it can see.
 
 Shapes are in the names: B batch, L queries, S keys, H query heads, G key/value heads (H = G x R), K head dim.
 

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from slm.model.attention import causal_attend
 from slm.model.lora import LoraSpec, adapted
 from slm.model.matmul import bf16_linear_rows
 from slm.model.rope import rotary_at
@@ -60,7 +61,8 @@ class CachedAttention(nn.Module):
     nf4: bool = False
 
     @nn.compact
-    def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array, fresh: bool = False
+                 ) -> tuple[jax.Array, dict]:
         B, T, D = x_BxTxD.shape
         H, K = self.shape.n_heads, self.shape.head_dim
         rope = self.shape.rope(self.layer)
@@ -72,9 +74,14 @@ class CachedAttention(nn.Module):
         q, k = rotary_at(q, start, S, *rope), rotary_at(k, start, S, *rope)
         k_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)
         v_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
-        q_pos, k_pos = start + jnp.arange(T), jnp.arange(S)
-        causal_TxS = windowed(q_pos[:, None] >= k_pos[None, :], q_pos, k_pos, self.shape.window(self.layer))
-        out_BxTxHxK = attend(q, k_BxSxGxK, v_BxSxGxK, causal_TxS, self.dtype, self.shape.query_scale)
+        if fresh:  # a prefill into an empty cache: its T queries see only each other, so the blocked attention
+            out_BxTxHxK = causal_attend(q, k.astype(k_BxSxGxK.dtype), v.astype(v_BxSxGxK.dtype), self.dtype,
+                                        self.shape.query_scale, window=self.shape.window(self.layer),
+                                        bf16=self.matmul == "bfloat16")
+        else:
+            q_pos, k_pos = start + jnp.arange(T), jnp.arange(S)
+            causal_TxS = windowed(q_pos[:, None] >= k_pos[None, :], q_pos, k_pos, self.shape.window(self.layer))
+            out_BxTxHxK = attend(q, k_BxSxGxK, v_BxSxGxK, causal_TxS, self.dtype, self.shape.query_scale)
         out_BxTxHK = out_BxTxHxK.reshape(B, T, H * K)
         out_BxTxD = dense(D, "o", self.dtype, out_std, bias=self.shape.o_bias, matmul=self.matmul,
                           nf4=self.nf4)(out_BxTxHK)
@@ -90,9 +97,10 @@ class CachedBlock(nn.Module):
     nf4: bool = False
 
     @nn.compact
-    def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array, fresh: bool = False
+                 ) -> tuple[jax.Array, dict]:
         attn_BxTxD, cache = CachedAttention(self.shape, self.dtype, self.layer, self.lora, self.matmul, self.nf4,
-                                            name="attn")(norm(self.shape, "attn_norm")(x_BxTxD), cache, start)
+                                            name="attn")(norm(self.shape, "attn_norm")(x_BxTxD), cache, start, fresh)
         x_BxTxD = x_BxTxD + sandwiched(self.shape, "post_attn_norm", attn_BxTxD)
         mlp = SwiGLU(self.shape, self.dtype, self.lora, self.matmul, self.nf4, name="mlp")
         mlp_BxTxD = mlp(norm(self.shape, "mlp_norm")(x_BxTxD))
@@ -114,7 +122,7 @@ class CachedTransformer(nn.Module):
 
     @nn.compact
     def __call__(self, ids_BxT: jax.Array, cache: KVCache, start: jax.Array,
-                 last: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                 last: jax.Array | None = None, fresh: bool = False) -> tuple[jax.Array, KVCache]:
         embed_VxD = self.param(
             "embed", nn.initializers.normal(0.02), (self.shape.vocab_size, self.shape.d_model), jnp.float32
         )
@@ -122,7 +130,7 @@ class CachedTransformer(nn.Module):
         new_cache = []
         for i in range(self.shape.n_layers):
             block = CachedBlock(self.shape, self.dtype, i, self.lora, self.matmul, self.nf4, name=f"block_{i}")
-            x_BxTxD, layer_cache = block(x_BxTxD, cache[i], start)
+            x_BxTxD, layer_cache = block(x_BxTxD, cache[i], start, fresh)
             new_cache.append(layer_cache)
         if last is not None:
             x_BxTxD = jax.lax.dynamic_slice_in_dim(x_BxTxD, last, 1, axis=1)
@@ -135,11 +143,13 @@ class CachedTransformer(nn.Module):
 
 
 def decode(model: Transformer, params: Any, ids_BxT: jax.Array, cache: KVCache, start: jax.Array,
-           last: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+           last: jax.Array | None = None, fresh: bool = False) -> tuple[jax.Array, KVCache]:
     """`model`'s logits for ids_BxT at positions start..start+T-1 given the cache of positions < start.
 
     The cache must have been made by `init_cache` with `model.dtype` and filled by earlier calls for every
-    position < start; the returned cache also holds these T positions.
+    position < start; the returned cache also holds these T positions. `fresh`: start is 0 (a prefill into an
+    empty cache), so the T tokens attend to each other only, by slm.model.attention.causal_attend's blocks
+    instead of against the whole cache.
     """
     return CachedTransformer(model.shape, model.dtype, model.lora, model.matmul, model.nf4).apply(
-        {"params": params}, ids_BxT, cache, start, last)
+        {"params": params}, ids_BxT, cache, start, last, fresh)

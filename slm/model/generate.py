@@ -3,9 +3,10 @@
 Used by the trainer for its eval-time samples and by `generate.py` (slm.cli.generate) for streamed text.
 
 Why a KV cache and one compile per shape. A sampler without a cache reruns the whole fixed window for
-every new token: O(L) forward passes of L positions each, quadratic in the length. Here the prompt is run once (prefill) and every layer's
-rotated keys and values are kept in a fixed-size cache of `prompt + --max-new-tokens` positions (rounded
-up to a multiple of 64); each new token is then one forward pass of a single position that writes its
+every new token: O(L) forward passes of L positions each, quadratic in the length. Here the prompt is run
+once (prefill, with training's blocked causal attention, slm.model.attention) and every layer's rotated
+keys and values are kept in a fixed-size cache of `prompt + --max-new-tokens` positions (rounded up to a
+multiple of 64); each new token is then one forward pass of a single position that writes its
 K/V into the cache at its position and attends to the cache under the causal mask (`slm.model.decode.decode`).
 Both functions are jitted with the cache donated (updated in place) and the position, key, temperature
 and top-p traced arguments, so one generation compiles exactly two programs, the prefill (prompt padded
@@ -126,7 +127,8 @@ class Decoder:
                     temperature: jax.Array, top_k: int, top_p: jax.Array) -> tuple[jax.Array, list]:
         """A fresh cache of cache_len positions holding the prompt, and the token drawn for position prompt_len."""
         cache = init_cache(self.model.shape, ids_BxT.shape[0], cache_len, self.model.dtype)
-        logits_Bx1xV, cache = decode(self.model, params, ids_BxT, cache, jnp.int32(0), last=prompt_len - 1)
+        logits_Bx1xV, cache = decode(self.model, params, ids_BxT, cache, jnp.int32(0), last=prompt_len - 1,
+                                     fresh=True)
         key = jax.random.fold_in(key, prompt_len)
         return sample_token(logits_Bx1xV[:, 0], key, temperature, top_k, top_p), cache
 

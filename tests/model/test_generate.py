@@ -41,19 +41,22 @@ def test_cached_model_has_the_same_parameter_tree():
     assert jax.tree.map(lambda x: (x.shape, x.dtype), full) == jax.tree.map(lambda x: (x.shape, x.dtype), cached)
 
 
+@pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_cached_decoding_equals_full_forward(dtype, tol):
+def test_cached_decoding_equals_full_forward(dtype, tol, fresh):
     """A right-padded prefill of 5 tokens (bucket 8), then one token at a time: every position's logits
-    equal the full forward's, so the padding's cache slots are masked and then overwritten."""
+    equal the full forward's, so the padding's cache slots are masked and then overwritten. `fresh`: the
+    prefill attends by the blocked causal attention among its own tokens (the sampler's prefill), not
+    against the whole cache."""
     model, params = _model(dtype)
     B, L, P, bucket = 2, 20, 5, 8
     ids = np.random.default_rng(0).integers(0, TINY.vocab_size, (B, L)).astype(np.int32)
 
     full_BxLxV = jax.jit(model.apply)({"params": params}, ids)
-    dec = jax.jit(decode, static_argnums=0)
+    dec = jax.jit(decode, static_argnums=(0, 6))
     padded = np.zeros((B, bucket), np.int32)
     padded[:, :P] = ids[:, :P]
-    prefill_BxTxV, cache = dec(model, params, padded, init_cache(TINY, B, 24, dtype), 0)
+    prefill_BxTxV, cache = dec(model, params, padded, init_cache(TINY, B, 24, dtype), 0, None, fresh)
     got = [prefill_BxTxV[:, :P]]
     for t in range(P, L):
         logits_Bx1xV, cache = dec(model, params, ids[:, t:t + 1], cache, t)
@@ -63,7 +66,7 @@ def test_cached_decoding_equals_full_forward(dtype, tol):
     np.testing.assert_allclose(np.asarray(got_BxLxV), np.asarray(full_BxLxV), atol=tol, rtol=0)
 
     # `last` picks one position's logits, as the prefill does
-    last_Bx1xV, _ = dec(model, params, padded, init_cache(TINY, B, 24, dtype), 0, P - 1)
+    last_Bx1xV, _ = dec(model, params, padded, init_cache(TINY, B, 24, dtype), 0, P - 1, fresh)
     np.testing.assert_allclose(np.asarray(last_Bx1xV[:, 0]), np.asarray(full_BxLxV[:, P - 1]), atol=tol, rtol=0)
 
 
