@@ -108,7 +108,8 @@ def main() -> None:
             res: dict[str, list[dict]] = {m: [] for m in MODES}
             for r in range(a.rounds):
                 for m in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
-                    res[m].append(run_once(flags, MODES[m], a.steps, a.skip, os.path.join(tmp, f"{shape}-{r}-{len(m)}")))
+                    out = os.path.join(tmp, f"{shape}-{r}-{len(m)}")
+                    res[m].append(run_once(flags, MODES[m], a.steps, a.skip, out))
                     x = res[m][-1]
                     print(f"  [{shape} round {r}] {m}: step {x['step_s'] * 1e3:,.0f} ms (p10 {x['p10_s'] * 1e3:,.0f}, "
                           f"p90 {x['p90_s'] * 1e3:,.0f}), {x['minflt'] / a.steps:,.0f} minor faults/step, sys "

@@ -137,8 +137,9 @@ def attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mas
            dtype: Dtype, scale: float | None = None) -> jax.Array:
     """Scaled dot-product attention under any boolean mask -> (B, L, H, K), logits times `scale` (default
     K^-0.5): the KV-cache decoder's one-token steps, whose queries sit at a traced position of the cache
-    (training, eval, the prefill and --plan-for's programs run slm.model.attention.causal_attend). With G < H key/value heads each serves H/G
-    consecutive query heads (transformers' repeat_kv order), without materialising copies."""
+    (training, eval, the prefill and --plan-for's programs run slm.model.attention.causal_attend). With G < H
+    key/value heads each serves H/G consecutive query heads (transformers' repeat_kv order), without
+    materialising copies."""
     B, L, H, K = q_BxLxHxK.shape
     scale = K ** -0.5 if scale is None else scale
     G = k_BxSxGxK.shape[2]
