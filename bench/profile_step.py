@@ -72,6 +72,7 @@ def stack_files(text: str) -> dict[str, str]:
             tables[table][m.group(1)] = m.group(2)
         elif table and line.strip():
             table = ""
+
     def field(row: str, key: str) -> str:
         return re.search(key + r"=(\d+)", row).group(1)
 
@@ -88,9 +89,10 @@ def stack_files(text: str) -> dict[str, str]:
     return files
 
 
-def hlo_ops(text: str) -> dict[str, tuple[str, str, bool]]:
-    """Each HLO instruction's (op_name, source files, is a product) from the compiled module's text; a fusion
-    without metadata takes its fused computation's, and counts as a product when it holds a dot."""
+def hlo_ops(text: str) -> dict[str, tuple[str, str, str, bool]]:
+    """Each HLO instruction's (opcode, op_name, source files, is a product) from the compiled module's text.
+    An op without metadata takes its fused ops', else its operands' (origin); a fusion counts as a product when
+    it holds a dot (holds_product)."""
     files = stack_files(text)
     ops: dict[str, tuple[str, str, str, str]] = {}  # name -> (opcode, op_name, source, called computation)
     operands: dict[str, list[str]] = {}
@@ -112,6 +114,7 @@ def hlo_ops(text: str) -> dict[str, tuple[str, str, bool]]:
                      calls.group(1) if calls else "")
         operands[name] = OPERAND.findall(m.group(3).split("), ")[0])
         computations[current].append(name)
+
     def holds_product(name: str, depth: int = 0) -> bool:  # a dot, or a fusion (nested) around one
         opcode, _, _, calls = ops[name]
         return opcode in ("dot", "convolution") or depth < 4 and any(
@@ -126,14 +129,14 @@ def hlo_ops(text: str) -> dict[str, tuple[str, str, bool]]:
                 return found
         return "", ""
 
-    return {name: (*origin(name), holds_product(name)) for name in ops}
+    return {name: (ops[name][0], *origin(name), holds_product(name)) for name in ops}
 
 
-def part_of(op_name: str, source: str) -> str:
+def part_of(opcode: str, op_name: str, source: str) -> str:
     """The module docstring's rules, first match wins; `source`: the op's stack files, innermost first."""
     stack = [os.path.basename(f) for f in source.split(" < ")]
     file = stack[0]
-    if op_name.startswith("jit(step)/(") or ":" in op_name:  # a combined op: the gradients' all-reduce
+    if opcode.startswith("all-reduce"):  # the gradients' (its op_name joins those of every gradient it sums)
         return "all-reduce (devices)"
     if "attention.py" in stack or file == "rope.py":
         return "attention core"
@@ -250,8 +253,8 @@ def main() -> None:
     total, events = op_times(trace_dir, ops)
     parts: dict[tuple[str, bool], float] = defaultdict(float)
     for name, us in total.items():
-        op_name, source, product = ops[name]
-        parts[(part_of(op_name, source), product)] += us / 1e3 / a.steps
+        opcode, op_name, source, product = ops[name]
+        parts[(part_of(opcode, op_name, source), product)] += us / 1e3 / a.steps
     wall = statistics.median(times) * 1e3
     summed = sum(parts.values())
     print(f"{time.strftime('%Y-%m-%d %H:%M')} | {cpu_model()}, {os.cpu_count()} cores | {what}")
@@ -267,8 +270,8 @@ def main() -> None:
             for product, label in ((True, "its products"), (False, "the rest: masks, softmax, copies, rope")):
                 print(f"| · {label} | {parts[(name, product)]:,.0f} | {parts[(name, product)] / summed:.0%} |")
     for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:a.top]:
-        op_name, source, _ = ops[name]
-        print(f"  {us / 1e3 / a.steps:8,.1f} ms  {name}  [{part_of(op_name, source)}]  {op_name}")
+        opcode, op_name, source, _ = ops[name]
+        print(f"  {us / 1e3 / a.steps:8,.1f} ms  {name}  [{part_of(opcode, op_name, source)}]  {op_name}")
 
 
 if __name__ == "__main__":

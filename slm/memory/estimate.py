@@ -121,8 +121,9 @@ COEFFICIENTS = {
 # Fitted to XLA's own buffer assignment for the target's compiler, from this CPU (--plan-for's compile-only
 # devices: bench/plan_for_xla.py fit, 2026-11-25, jax 0.10.2): an H100 for "gpu", a TPU v5e for "tpu"; keys
 # (remat, mixed precision); (a, b, c, e, t, k) with k a constant in bytes (t 0: the block transient is in c).
-# On a GPU the bf16 step runs cuDNN's fused attention, which keeps no (S, S) scores (c ~ 0); XLA:GPU and the TPU compiler fuse far more than
-# XLA:CPU, so their activations are a fraction of COEFFICIENTS' (docs/memory.md, "Plan for the GPU or TPU").
+# On a GPU the bf16 step runs cuDNN's fused attention, which keeps no (S, S) scores (c ~ 0); XLA:GPU and the
+# TPU compiler fuse far more than XLA:CPU, so their activations are a fraction of COEFFICIENTS' (docs/memory.md,
+# "Plan for the GPU or TPU").
 # Without remat the five are per layer and token (as COEFFICIENTS); with remat, those of the one block being
 # recomputed, beside every other block's input (D x compute bytes a token: backward_bytes' layer path).
 # Fit errors (worst of 20 steps, 5 shapes x 4 token counts): 6.8%, 4.1%; remat 27.8%, 15.5%. TPU: not fitted

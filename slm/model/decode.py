@@ -72,12 +72,12 @@ class CachedAttention(nn.Module):
         q, k, v = project_qkv(self.shape, self.dtype, x_BxTxD, self, self.lora, self.matmul, self.nf4)
         q, k = normed_qk(self.shape, q, k)
         q, k = rotary_at(q, start, S, *rope), rotary_at(k, start, S, *rope)
-        k_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)
-        v_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
+        k, v = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype)  # as the cache holds them
+        k_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["k"], k, start, axis=1)
+        v_BxSxGxK = jax.lax.dynamic_update_slice_in_dim(cache["v"], v, start, axis=1)
         if fresh:  # a prefill into an empty cache: its T queries see only each other, so the blocked attention
-            out_BxTxHxK = causal_attend(q, k.astype(k_BxSxGxK.dtype), v.astype(v_BxSxGxK.dtype), self.dtype,
-                                        self.shape.query_scale, window=self.shape.window(self.layer),
-                                        bf16=self.matmul == "bfloat16")
+            out_BxTxHxK = causal_attend(q, k, v, self.dtype, self.shape.query_scale,
+                                        window=self.shape.window(self.layer), bf16=self.matmul == "bfloat16")
         else:
             q_pos, k_pos = start + jnp.arange(T), jnp.arange(S)
             causal_TxS = windowed(q_pos[:, None] >= k_pos[None, :], q_pos, k_pos, self.shape.window(self.layer))
