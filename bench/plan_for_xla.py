@@ -5,6 +5,7 @@
     .venv/bin/python bench/plan_for_xla.py seed002        # seed 002's settings on an A10G 24 GB, and a 1B on v5e-8
     .venv/bin/python bench/plan_for_xla.py device-plan --out bench/out/plan.json    # --plan-for h100-80gb, here
     python3 bench/plan_for_xla.py device --out $OUT/device.json          # on a lent GPU: compiled there, and run
+    python3 bench/plan_for_xla.py device --trainer-order --out $OUT/order.json --rows Gemma   # compiles as the trainer
     .venv/bin/python bench/plan_for_xla.py device-compare bench/out/plan.json bench/out/device.json [more.json]
 
 `sweep`: each row is the trainer's train step for the target (slm.train.plan_for.compile_programs, the program
@@ -23,7 +24,10 @@ for that GPU (autotuning on, its cuDNN), places the resident state (zeros), read
 the programs in the trainer's order (train step twice with the state donated, eval, prefill, decode) and reads
 it after each: what a run of that setting holds. Each row runs in its own process (`device-row`), so each peak is
 that row's. `device-compare` prints the plan's figure and the device compile's for the train step and the
-largest program, against the measured peak.
+largest program, against the measured peak. `device --trainer-order` compiles in the trainer's own order
+instead (the train step on an empty card, as pre-flight does; the state placed; the eval step and the sampler
+compiled beside it, as the first eval does) and reads the allocator after each: XLA:GPU's autotuning allocates
+scratch on the card while it compiles, which no program's memory analysis holds.
 """
 
 from __future__ import annotations
@@ -243,6 +247,8 @@ DEVICE_ROWS = {  # name: Config keywords (bf16 compute, the default optimizer, a
     "Qwen3-0.6B QLoRA r16 nf4, seq 256": dict(init_from="qwen3-0.6b", lora_rank=16, base_dtype="nf4",
                                               **{**DEVICE_FT, "seq_len": 256}),
     "SmolLM2-135M QLoRA r16 nf4": dict(init_from="smollm2-135m", lora_rank=16, base_dtype="nf4", **DEVICE_FT),
+    # sliding-window layers: the blocked causal_attend on the GPU, not cuDNN's fused kernel
+    "Gemma-3-1B QLoRA r16 nf4": dict(init_from="gemma-3-1b", lora_rank=16, base_dtype="nf4", **DEVICE_FT),
     "Llama-3.2-1B full fine-tune": dict(init_from="llama-3.2-1b", **DEVICE_FT),
     "Mistral-7B QLoRA seed 002 (1 x 256, remat)": dict(init_from="mistral-7b-v0.1", lora_rank=16, base_dtype="nf4",
                                                         seq_len=256, batch_size=1, gradient_checkpointing=True),
@@ -338,8 +344,11 @@ def device_row(name: str, models: str) -> dict:
     step = keep["train step"]
     batch = {k: jax.ShapeDtypeStruct((c.batch_size, c.seq_len), np.int32, sharding=built.batch_sharding)
              for k in ("input_ids", "targets")}  # compile_step's arguments, as the trainer passes them
-    base = () if built.base_abstract is None else (materialise(built.base_abstract, device),)
-    args = (materialise(built.abstract, device), materialise(batch, device), np.float32(0), *base)
+    state = jax.block_until_ready(materialise(built.abstract, device))
+    peaks["placing the trained state"] = in_use(device)  # each part's own transfer peak, to tell which one
+    base = () if built.base_abstract is None else (jax.block_until_ready(materialise(built.base_abstract, device)),)
+    peaks["placing the frozen base"] = in_use(device)
+    args = (state, materialise(batch, device), np.float32(0), *base)
     jax.block_until_ready(args)
     peaks["resident"] = in_use(device, "bytes_in_use")
     peaks["placing the state"] = in_use(device)  # host-to-device transfers' own peak, before any program runs
@@ -363,12 +372,60 @@ def device_row(name: str, models: str) -> dict:
             "bytes_limit_mb": in_use(device, "bytes_limit")}
 
 
+def allocator(device) -> dict:
+    """The allocator's peak and current MB and its count of allocations so far (nan on a CPU)."""
+    stats = device.memory_stats() or {}
+    return {"peak_mb": stats.get("peak_bytes_in_use", float("nan")) / 2**20,
+            "in_use_mb": stats.get("bytes_in_use", float("nan")) / 2**20,
+            "allocations": stats.get("num_allocs", float("nan"))}
+
+
+def trainer_order_row(name: str, models: str) -> dict:
+    """The trainer's own order: the train step compiled in pre-flight on an empty card, the state placed, then
+    the eval step and the sampler compiled beside it (as Evaluator does at the first eval). The allocator read
+    after each: an autotuning compile shows as allocations while nothing runs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from slm.model.generate import Decoder
+    from slm.model.lora import merge
+    from slm.train.plan_for import compile_programs
+    from slm.train.step import make_eval_step
+
+    c, shape = device_config(name, models)
+    device, keep, seen = jax.devices()[0], {}, {}
+    target = load_target(DEVICE_TARGET)
+    if device.platform == "cpu":
+        target = dataclasses.replace(target, platform="cpu")
+    seen["backend started"] = allocator(device)
+    compile_programs(c, shape, [device], target, train_only=True, keep=keep)
+    seen["train step compiled (pre-flight)"] = allocator(device)
+    built = keep["built"]
+    base = () if built.base_abstract is None else (materialise(built.base_abstract, device),)
+    state = jax.block_until_ready(materialise(built.abstract, device))
+    jax.block_until_ready(base)
+    seen["state placed"] = allocator(device)
+    params = state.params if built.base_abstract is None else merge(base[0], state.params)
+    batch = [jax.ShapeDtypeStruct((c.batch_size, c.seq_len), d, sharding=built.batch_sharding)
+             for d in (jnp.int32, jnp.int32, jnp.float32)]
+    evaluate = make_eval_step(built.model).lower(params, *batch).compile()
+    seen["eval step compiled beside the state"] = allocator(device)
+    jax.block_until_ready(evaluate(params, *materialise(batch, device)))
+    seen["eval step run"] = allocator(device)
+    prefill, step = Decoder(built.model).compiled(params, 1, 1, c.seq_len - 1, 40)
+    seen["sampler compiled beside the state"] = allocator(device)
+    return {"device": device.device_kind, "jax": jax.__version__, "resident_mb": sum(
+        np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((state, base))) / 2**20, "seen": seen}
+
+
 def device(a: argparse.Namespace) -> None:
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "rows": {}}
     for name in device_chosen(a.rows):
         t0 = time.time()
-        p = subprocess.run([sys.executable, __file__, "device-row", name, "--models", a.models], capture_output=True,
-                           text=True, timeout=a.row_timeout)
+        order = ["--trainer-order"] if a.trainer_order else []
+        p = subprocess.run([sys.executable, __file__, "device-row", name, "--models", a.models, *order],
+                           capture_output=True, text=True, timeout=a.row_timeout)
         last = p.stdout.strip().splitlines()[-1:] if p.returncode == 0 else []
         out["rows"][name] = json.loads(last[0]) if last else {"error": p.stderr[-2000:]}
         print(f"{name}: {time.time() - t0:.0f}s", json.dumps(out["rows"][name])[:600], flush=True)
@@ -423,9 +480,11 @@ def main() -> None:
         d.add_argument("--models", default=MODELS)
         d.add_argument("--row-timeout", type=int, default=150)
         d.add_argument("--rows", default="", help="only the rows whose name holds one of these (comma-separated)")
+        d.add_argument("--trainer-order", action="store_true", help="(device) the compiles in the trainer's order")
     r = sub.add_parser("device-row")
     r.add_argument("name")
     r.add_argument("--models", default=MODELS)
+    r.add_argument("--trainer-order", action="store_true")
     c = sub.add_parser("device-compare")
     c.add_argument("plan")
     c.add_argument("device", nargs="+")
@@ -434,7 +493,7 @@ def main() -> None:
         from slm.train.devices import start_backend
 
         start_backend()
-        print(json.dumps(device_row(a.name, a.models)))
+        print(json.dumps((trainer_order_row if a.trainer_order else device_row)(a.name, a.models)))
         return
     {"sweep": sweep, "sampler": sampler, "fit": fit, "device-plan": device_plan, "device": device,
      "device-compare": device_compare}[a.what](a)

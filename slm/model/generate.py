@@ -108,6 +108,15 @@ def prompt_bucket(prompt_len: int, cache_len: int) -> int:
     return min(max(MIN_BUCKET, 1 << (prompt_len - 1).bit_length()), cache_len)
 
 
+def sampler_compile_options(platform: str | None) -> dict:
+    """XLA options for the sampler's programs. On a GPU, no autotuning: XLA:GPU tunes a product by running its
+    candidate kernels on scratch copies of the operands, on the card, beside the run's resident state (it is
+    compiled at the first eval). Measured on an H100 (2026-11-26, bench/plan_for_xla.py device --trainer-order):
+    compiling Gemma-3-1B's batch-1 prefill and decode step held 1,826 MB of such scratch beside a 968 MB QLoRA
+    state, 2.5x the largest program the plan had compiled; Mistral-7B's 846 MB, +10% over it."""
+    return {"xla_gpu_autotune_level": 0} if (platform or jax.default_backend()) == "gpu" else {}
+
+
 class Decoder:
     """Jitted prefill + single-token step for one model, compiled once per (batch, prompt bucket, cache
     length, top-k); temperature, top-p, positions and keys are traced.
@@ -151,10 +160,11 @@ class Decoder:
             cache = jax.eval_shape(lambda: init_cache(self.model.shape, batch, S, self.model.dtype))
             i32, f32 = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)
             key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+            options = sampler_compile_options(self.model.platform)
             prefill = self._prefill.lower(params, jax.ShapeDtypeStruct((batch, T), jnp.int32), S, i32, key,
-                                          f32, top_k, f32).compile()
+                                          f32, top_k, f32).compile(compiler_options=options)
             step = self._step.lower(params, jax.ShapeDtypeStruct((batch,), jnp.int32), cache, i32, key,
-                                    f32, top_k, f32).compile()
+                                    f32, top_k, f32).compile(compiler_options=options)
             self._compiled[shape_key] = (prefill, step)
             self.compile_s += time.perf_counter() - t0
         return self._compiled[shape_key]
