@@ -215,16 +215,20 @@ def held_out_docs(c: Config, source: TextSource) -> list[str]:
     return [d for p in parts for d in p]
 
 
-def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
-    """Sources, held-out set and tokenizer (tokenizer before model, the seeds' lesson), then the shape."""
+def setup_data(c: Config, out: str, procs: Processes, log: Log) -> tuple[TrainData, Config]:
+    """Sources, held-out set and tokenizer (tokenizer before model, the seeds' lesson), then the shape; and the
+    Config with --init-from's pinned revision and, unless --tokenizer was given, its tokenizer.json."""
     source = training_source(c, log)
     eval_source = eval_source_of(c, source, log)
     heldout = held_out_docs(c, source) if eval_source is None else []
-    given_tokenizer = c.tokenizer
-    init_shape, init_folder = pretrained(c, log) if c.init_from else (None, None)
-    choices = [] if given_tokenizer or not c.init_from else [
-        Choice("tokenizer", c.tokenizer, f"the pretrained model's own (--init-from {c.init_from})")]
-    chat_template = load_chat_template(c.tokenizer) if c.chat_template else None  # after --init-from set c.tokenizer
+    init_shape, init_folder, choices = None, None, []
+    if c.init_from:
+        init_shape, init_folder, revision = pretrained(c, log)
+        c = dataclasses.replace(c, init_revision=revision)
+        if not c.tokenizer:
+            c = dataclasses.replace(c, tokenizer=os.path.join(init_folder, "tokenizer.json"))
+            choices = [Choice("tokenizer", c.tokenizer, f"the pretrained model's own (--init-from {c.init_from})")]
+    chat_template = load_chat_template(c.tokenizer) if c.chat_template else None
     kept = chat_template or (optional_chat_template(c.tokenizer) if c.tokenizer else None)  # for generate --chat
     tokenizer, special, tok_s = make_tokenizer(c, source, len(heldout), out, procs, log, kept)
     shape = init_shape or choose_shape(c.target_params, tokenizer.get_vocab_size(), c.n_layers, c.d_model, c.n_heads)
@@ -247,7 +251,7 @@ def setup_data(c: Config, out: str, procs: Processes, log: Log) -> TrainData:
         data_mb = (rows[0].nbytes + rows[1].nbytes) / 2**20
         log(f"[data] full load: {rows[0].shape[0]:,} sequences, {data_mb:.1f} MB in memory")
     return TrainData(source, tokenizer, special, tok_s, eval_set, len(heldout), shape, data_mb, rows,
-                     chat_template=chat_template, init_folder=init_folder, choices=choices)
+                     chat_template=chat_template, init_folder=init_folder, choices=choices), c
 
 
 def doc_start(c: Config, data: TrainData) -> int | None:
@@ -275,25 +279,23 @@ def _inside_examples(data: TrainData, token: int) -> bool:
     return token in data.tokenizer.encode(prompt, add_special_tokens=False).ids[1:]
 
 
-def pretrained(c: Config, log: Log) -> tuple[ModelShape, str]:
-    """--init-from: (shape, local folder) of a Hugging Face folder (a hub id is downloaded, its commit pinned in
-    --init-revision) or of one of this trainer's runs; its tokenizer.json becomes --tokenizer. The weights
-    are read later (load_init_weights), once the step is planned and their layout known."""
+def pretrained(c: Config, log: Log) -> tuple[ModelShape, str, str | None]:
+    """--init-from: (shape, local folder, the commit to pin in --init-revision) of a Hugging Face folder or hub
+    id, or of one of this trainer's runs. The weights are read later (load_init_weights), once the step is
+    planned and their layout known."""
     from slm.io.hf_import import load_hf_folder, resolve_pretrained
 
-    folder, c.init_revision = resolve_pretrained(c.init_from, c.init_revision, log)
-    if not c.tokenizer:
-        c.tokenizer = os.path.join(folder, "tokenizer.json")
+    folder, revision = resolve_pretrained(c.init_from, c.init_revision, log)
     if os.path.isdir(os.path.join(folder, "checkpoints")):  # a run of this trainer
         with open(os.path.join(folder, "config.json")) as f:
-            return ModelShape(**json.load(f)["model"]), folder
+            return ModelShape(**json.load(f)["model"]), folder, revision
     shape, _, cfg = load_hf_folder(folder, weights=False)
     window = attention_window(cfg)
     if window is not None and c.seq_len > window:
         raise ConfigError(f"--seq-len {c.seq_len}: {c.init_from} attends within a sliding window of {window} tokens "
                           f"(config.json sliding_window), this trainer over the whole sequence; use --seq-len "
                           f"{window} or less, where the two are the same")
-    return shape, folder
+    return shape, folder, revision
 
 
 def load_init_weights(c: Config, data: TrainData, built: Any, log: Log) -> None:

@@ -130,7 +130,7 @@ def _run(c: Config, out: str, locks: list, start: float, log: Log, procs: Any, s
         monitor = stack.enter_context(MemoryMonitor(alert_mb=c.memory_alert_mb, on_alert=log))  # RSS from here on
         signals = signals if signals is not None else stack.enter_context(SignalWatcher(log))
         env = Env(out, start, log, procs, signals, clock, disk_usage, monitor, stack)
-        data = setup_data(c, out, procs, log)
+        data, c = setup_data(c, out, procs, log)
         c, chosen = settle_defaults(c, data, log)
         chunk_lever = any(choice.key == "loss_chunk" for choice in chosen)
         built, compiled, plan, c = plan_step(c, data, procs, log, chunk_lever)
