@@ -98,15 +98,18 @@ def compile_only() -> Iterator[None]:
     stand-in for cuDNN where this machine has none (cudnn_version). Both restored after."""
     import jax
     from jax._src.cudnn import fused_attention_stablehlo as fa
+    from jax.experimental.compilation_cache import compilation_cache
 
     cache, original = jax.config.jax_enable_compilation_cache, fa.check_cudnn_version
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # jax decides once a process whether the cache is used: after a train() it is
     fa.check_cudnn_version = cudnn_version(original)
     try:
         yield
     finally:
         fa.check_cudnn_version = original
         jax.config.update("jax_enable_compilation_cache", cache)
+        compilation_cache.reset_cache()  # decided again at the next compile, with the setting restored
 
 
 def cudnn_version(runtime: Callable[[], int]) -> Callable[[], int]:
