@@ -323,22 +323,27 @@ def in_use(device, key: str = "peak_bytes_in_use") -> float:
     return (device.memory_stats() or {}).get(key, float("nan")) / 2**20
 
 
+def this_machine():
+    """(the device the row runs on, the target its programs are compiled for: DEVICE_TARGET, or on a CPU a dry run
+    of this script's own code)."""
+    import jax
+
+    device, target = jax.devices()[0], load_target(DEVICE_TARGET)
+    return device, dataclasses.replace(target, platform="cpu") if device.platform == "cpu" else target
+
+
 def device_row(name: str, models: str) -> dict:
     """Compile the row's programs for this machine's GPU, run them on zeros, read the allocator's peak."""
     import jax
     import numpy as np
 
-    from slm.memory.targets import load_target
     from slm.model.lora import merge
     from slm.train.builder import compiled_peak
     from slm.train.plan_for import MB, compile_programs
 
     c, shape = device_config(name, models)
-    device = jax.devices()[0]
+    device, target = this_machine()
     keep: dict = {}
-    target = load_target(DEVICE_TARGET)
-    if device.platform == "cpu":  # a dry run of this script's own code, here
-        target = dataclasses.replace(target, platform="cpu")
     compiled = {r[0]: r[1] for r in compile_programs(c, shape, [device], target, keep=keep)}
     built, peaks = keep["built"], {}
     step = keep["train step"]
@@ -374,10 +379,8 @@ def device_row(name: str, models: str) -> dict:
 
 def allocator(device) -> dict:
     """The allocator's peak and current MB and its count of allocations so far (nan on a CPU)."""
-    stats = device.memory_stats() or {}
-    return {"peak_mb": stats.get("peak_bytes_in_use", float("nan")) / 2**20,
-            "in_use_mb": stats.get("bytes_in_use", float("nan")) / 2**20,
-            "allocations": stats.get("num_allocs", float("nan"))}
+    return {"peak_mb": in_use(device), "in_use_mb": in_use(device, "bytes_in_use"),
+            "allocations": (device.memory_stats() or {}).get("num_allocs", float("nan"))}
 
 
 def trainer_order_row(name: str, models: str) -> dict:
@@ -394,10 +397,7 @@ def trainer_order_row(name: str, models: str) -> dict:
     from slm.train.step import make_eval_step
 
     c, shape = device_config(name, models)
-    device, keep, seen = jax.devices()[0], {}, {}
-    target = load_target(DEVICE_TARGET)
-    if device.platform == "cpu":
-        target = dataclasses.replace(target, platform="cpu")
+    (device, target), keep, seen = this_machine(), {}, {}
     seen["backend started"] = allocator(device)
     compile_programs(c, shape, [device], target, train_only=True, keep=keep)
     seen["train step compiled (pre-flight)"] = allocator(device)
@@ -413,7 +413,7 @@ def trainer_order_row(name: str, models: str) -> dict:
     seen["eval step compiled beside the state"] = allocator(device)
     jax.block_until_ready(evaluate(params, *materialise(batch, device)))
     seen["eval step run"] = allocator(device)
-    prefill, step = Decoder(built.model).compiled(params, 1, 1, c.seq_len - 1, 40)
+    Decoder(built.model).compiled(params, 1, 1, c.seq_len - 1, 40)  # the first eval's sample, as compile_programs
     seen["sampler compiled beside the state"] = allocator(device)
     return {"device": device.device_kind, "jax": jax.__version__, "resident_mb": sum(
         np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((state, base))) / 2**20, "seen": seen}
