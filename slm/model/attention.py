@@ -11,10 +11,15 @@ Each block's softmax runs over its whole visible row at once, so no online resca
 is the plain attention's, not an approximation of it.
 
 Why a custom VJP (`_block`): the backward pass is written out (dS = P * (dP - rowsum(dO * O))) with every
-product in a form XLA:CPU's dot emitter takes without transposing an (L, S) operand, and with bf16 operands and
-float32 sums when `bf16` is set (--matmul-precision bfloat16: the CPUs with native bf16 products), the way
-slm.model.matmul does for the projections; jax's own transpose of a cast-then-dot would run the backward
-products in float32. The probabilities are kept for the backward pass in the operands' dtype.
+product in a form XLA:CPU's dot emitter takes without transposing an (L, S) operand (dV and dK are computed
+transposed, `_by_rows`), and with bf16 operands and float32 sums when `bf16` is set (--matmul-precision
+bfloat16: the CPUs with native bf16 products), the way slm.model.matmul does for the projections; jax's own
+transpose of a cast-then-dot would run the backward products in float32. The probabilities are kept
+unnormalised (exp(s - rowmax), in the operands' dtype) with their row sums: the division by the row sum goes
+on the (L, K) output and gradients instead of a pass over (L, S). Against the normalised form with P^T
+products (2-core Zen 3 EPYC, one host device per core, 2026-11-26, bench/attention.py --devices 2 [--step]):
+attention alone 1.09-1.58x at seq 1,024-2,048, level at shorter ones; the 10M train step 1.05x at seq 1,024,
+1.13x at 2,048.
 
 Grouped-query heads: query head h uses key/value head h // R (transformers' repeat_kv order); the R query
 heads of a group are one matrix against their group's keys, so no key/value copies are made.
@@ -76,10 +81,12 @@ def _scores(q_BxGxLxRxK: jax.Array, k_BxGxSxK: jax.Array, visible_BxLxS: jax.Arr
     return jnp.where(visible_BxLxS[:, None, :, None, :], s * scale, NEG)
 
 
-def _probs(q: jax.Array, k: jax.Array, visible: jax.Array, scale: float) -> jax.Array:
+def _exps(q: jax.Array, k: jax.Array, visible: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+    """exp(s - rowmax(s)) (B, G, L, R, S) and its row sums l (B, G, L, R, 1), both float32: the probabilities
+    times l. A hidden key's exp is exactly 0 (its score is float32's lowest)."""
     s_BxGxLxRxS = _scores(q, k, visible, scale)
     e = jnp.exp(s_BxGxLxRxS - jnp.max(s_BxGxLxRxS, axis=-1, keepdims=True))
-    return e / jnp.sum(e, axis=-1, keepdims=True)
+    return e, jnp.sum(e, axis=-1, keepdims=True)
 
 
 def _mix(p_BxGxLxRxS: jax.Array, v_BxGxSxK: jax.Array) -> jax.Array:
@@ -87,30 +94,44 @@ def _mix(p_BxGxLxRxS: jax.Array, v_BxGxSxK: jax.Array) -> jax.Array:
     return lax.dot_general(p_BxGxLxRxS, v_BxGxSxK, (((4,), (2,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
 
 
+def _by_rows(a_BxGxLxRxM: jax.Array, b_BxGxLxRxN: jax.Array) -> jax.Array:
+    """b^T a summed over the rows (L, R) -> (B, G, N, M) in float32, computed as (a^T b)^T: XLA:CPU's dot then
+    reads the big operand b (probabilities or score gradients, N keys wide) as it lies and only the (M = K, N)
+    result is transposed; b^T a written directly makes it copy b transposed first. bf16 operands keep the direct
+    form: XLA:CPU has no kernel for the transposed one in bf16 x bf16 -> float32 (the step aborts with
+    "Unsupported element type for DotThunk"; tests/model/test_matmul.py)."""
+    rows = (((2, 3), (2, 3)), ((0, 1), (0, 1)))
+    if b_BxGxLxRxN.dtype == jnp.bfloat16:
+        return lax.dot_general(b_BxGxLxRxN, a_BxGxLxRxM, rows, preferred_element_type=jnp.float32)
+    return lax.dot_general(a_BxGxLxRxM, b_BxGxLxRxN, rows, preferred_element_type=jnp.float32).swapaxes(2, 3)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> jax.Array:
     """One query block (B, G, Lc, R, K) against its visible keys (B, G, Sc, K) -> (B, G, Lc, R, K) in float32."""
-    return _mix(_probs(q, k, visible, scale).astype(v.dtype), v)
+    return _block_fwd(q, k, v, visible, scale)[0]
 
 
 def _block_fwd(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> tuple:
-    p = _probs(q, k, visible, scale).astype(v.dtype)
-    o = _mix(p, v)
-    return o, (q, k, v, p, o)  # no mask: P is already 0 where a key is hidden
+    e, l_BxGxLxRx1 = _exps(q, k, visible, scale)
+    e = e.astype(v.dtype)
+    o = _mix(e, v) / l_BxGxLxRx1  # normalised after the product: an (L, K) division instead of an (L, S) one
+    return o, (q, k, v, e, l_BxGxLxRx1, o)  # no mask: e is already 0 where a key is hidden
 
 
 def _block_bwd(scale: float, res: tuple, do_BxGxLxRxK: jax.Array) -> tuple:
-    """dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO * O)), dQ = dS K scale, dK = dS^T Q scale."""
-    q, k, v, p, o = res
+    """With P = e / l: dV = e^T (dO / l), dP / l = (dO / l) V^T, dS = e (dP / l - rowsum(dO * O) / l),
+    dQ = dS K scale, dK = dS^T Q scale: the 1 / l goes on (L, K) and (L, 1) operands, never on an (L, S) one."""
+    q, k, v, e, l_BxGxLxRx1, o = res
     operand = v.dtype
-    d_BxGxLxRx1 = jnp.sum(do_BxGxLxRxK * o, axis=-1, keepdims=True)
-    do = do_BxGxLxRxK.astype(operand)
-    batch = ((0, 1), (0, 1))
-    dv = lax.dot_general(p, do, (((2, 3), (2, 3)), batch), preferred_element_type=jnp.float32)
-    dp = lax.dot_general(do, v, (((4,), (3,)), batch), preferred_element_type=jnp.float32)
-    ds = (p.astype(jnp.float32) * (dp - d_BxGxLxRx1) * scale).astype(operand)  # (B, G, Lc, R, Sc)
-    dq = lax.dot_general(ds, k, (((4,), (2,)), batch), preferred_element_type=jnp.float32)
-    dk = lax.dot_general(ds, q, (((2, 3), (2, 3)), batch), preferred_element_type=jnp.float32)
+    inv = 1.0 / l_BxGxLxRx1
+    d_BxGxLxRx1 = jnp.sum(do_BxGxLxRxK * o, axis=-1, keepdims=True) * inv
+    do = (do_BxGxLxRxK * inv).astype(operand)
+    dv = _by_rows(do, e)
+    dp = lax.dot_general(do, v, (((4,), (3,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
+    ds = (e.astype(jnp.float32) * (dp - d_BxGxLxRx1) * scale).astype(operand)  # (B, G, Lc, R, Sc)
+    dq = lax.dot_general(ds, k, (((4,), (2,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
+    dk = _by_rows(q, ds)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
