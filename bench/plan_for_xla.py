@@ -25,9 +25,11 @@ the programs in the trainer's order (train step twice with the state donated, ev
 it after each: what a run of that setting holds. Each row runs in its own process (`device-row`), so each peak is
 that row's. `device-compare` prints the plan's figure and the device compile's for the train step and the
 largest program, against the measured peak. `device --trainer-order` compiles in the trainer's own order
-instead (the train step on an empty card, as pre-flight does; the state placed; the eval step and the sampler
-compiled beside it, as the first eval does) and reads the allocator after each: XLA:GPU's autotuning allocates
-scratch on the card while it compiles, which no program's memory analysis holds.
+instead (the train step and the eval's sampler on an empty card, as pre-flight does; the state placed; the eval
+step compiled beside it and the sample drawn, as the first eval does; a run from scratch's step with dropout,
+compiled when its epoch begins) and reads the allocator after each: XLA:GPU's autotuning allocates scratch on
+the card while it compiles, which no program's memory analysis holds. It also times the sample's decode as
+pre-flight compiled it (autotuned) against a sampler compiled later (autotuning off on a GPU).
 """
 
 from __future__ import annotations
@@ -384,15 +386,16 @@ def allocator(device) -> dict:
 
 
 def trainer_order_row(name: str, models: str) -> dict:
-    """The trainer's own order: the train step compiled in pre-flight on an empty card, the state placed, then
-    the eval step and the sampler compiled beside it (as Evaluator does at the first eval). The allocator read
-    after each: an autotuning compile shows as allocations while nothing runs."""
+    """The trainer's own order: the train step and the eval sample's decoder compiled in pre-flight on an empty
+    card, the state placed, then the eval step compiled beside it and the sample drawn (as Evaluator does at the
+    first eval). The allocator read after each: an autotuning compile shows as allocations while nothing runs."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from slm.model.generate import Decoder
     from slm.model.lora import merge
+    from slm.train.builder import compile_step, compiled_peak, with_dropout
+    from slm.train.evaluate import SAMPLE_TOP_K, sampler_ahead
     from slm.train.plan_for import compile_programs
     from slm.train.step import make_eval_step
 
@@ -402,6 +405,8 @@ def trainer_order_row(name: str, models: str) -> dict:
     compile_programs(c, shape, [device], target, train_only=True, keep=keep)
     seen["train step compiled (pre-flight)"] = allocator(device)
     built = keep["built"]
+    decoder = sampler_ahead(built, [0], c.seq_len)
+    seen["sampler compiled (pre-flight)"] = allocator(device)
     base = () if built.base_abstract is None else (materialise(built.base_abstract, device),)
     state = jax.block_until_ready(materialise(built.abstract, device))
     jax.block_until_ready(base)
@@ -413,10 +418,37 @@ def trainer_order_row(name: str, models: str) -> dict:
     seen["eval step compiled beside the state"] = allocator(device)
     jax.block_until_ready(evaluate(params, *materialise(batch, device)))
     seen["eval step run"] = allocator(device)
-    Decoder(built.model).compiled(params, 1, 1, c.seq_len - 1, 40)  # the first eval's sample, as compile_programs
-    seen["sampler compiled beside the state"] = allocator(device)
-    return {"device": device.device_kind, "jax": jax.__version__, "resident_mb": sum(
+    for _ in decoder.stream(params, [0], c.seq_len - 1, top_k=SAMPLE_TOP_K):
+        pass
+    seen["sample drawn beside the state"] = allocator(device)
+    out = {"device": device.device_kind, "jax": jax.__version__, "resident_mb": sum(
         np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((state, base))) / 2**20, "seen": seen}
+    if c.dropout and c.dropout_from_epoch:  # the step with dropout compiles when its epoch begins (slm.train.run)
+        planned = compiled_peak(keep["train step"]) / 2**20
+        later, _, later_mb = compile_step(with_dropout(built, c.dropout))
+        seen["dropout step compiled beside the state"] = allocator(device)
+        out["dropout_step_mb"] = {"without (planned)": planned, "with dropout": later_mb}
+    out["decode_ms_per_token"] = decode_speed(decoder, built.model, params, c.seq_len - 1)
+    seen["untuned sampler compiled beside the state"] = allocator(device)
+    return out
+
+
+def decode_speed(tuned, model, params, new: int, rounds: int = 2) -> dict:
+    """The eval sample's decode, ms per token: pre-flight's decoder (XLA's options: autotuned on a GPU) against
+    one compiled as a sampler compiled later is (sampler_compile_options: no autotuning on a GPU), alternated;
+    each one's fastest round."""
+    from slm.model.generate import Decoder
+    from slm.train.evaluate import SAMPLE_TOP_K
+
+    decoders = {"pre-flight's (autotuned)": tuned, "autotuning off": Decoder(model)}
+    times: dict = {name: [] for name in decoders}
+    for _ in range(rounds):
+        for name, d in decoders.items():
+            t: dict = {}
+            for _ in d.stream(params, [0], new, top_k=SAMPLE_TOP_K, timings=t):
+                pass
+            times[name].append(1e3 * t["decode_s"] / t["decode_tokens"])
+    return {k: min(v) for k, v in times.items()}
 
 
 def device(a: argparse.Namespace) -> None:

@@ -113,7 +113,9 @@ def sampler_compile_options(platform: str | None) -> dict:
     candidate kernels on scratch copies of the operands, on the card, beside the run's resident state (it is
     compiled at the first eval). Measured on an H100 (2026-11-26, bench/plan_for_xla.py device --trainer-order):
     compiling Gemma-3-1B's batch-1 prefill and decode step held 1,826 MB of such scratch beside a 968 MB QLoRA
-    state, 2.5x the largest program the plan had compiled; Mistral-7B's 846 MB, +10% over it."""
+    state, 2.5x the largest program the plan had compiled; Mistral-7B's 846 MB, +10% over it. Untuned, the
+    decode ran 1.25x and 1.33x slower on an H200, so the trainer compiles its eval sample tuned in pre-flight,
+    on the empty card (slm.train.evaluate.sampler_ahead); this is for samplers compiled later."""
     return {"xla_gpu_autotune_level": 0} if (platform or jax.default_backend()) == "gpu" else {}
 
 
@@ -149,8 +151,9 @@ class Decoder:
         return sample_token(logits_Bx1xV[:, 0], key, temperature, top_k, top_p), cache
 
     def compiled(self, params: Any, batch: int, prompt_len: int, max_new_tokens: int,
-                 top_k: int = 0) -> tuple[Any, Any]:
-        """The (prefill, step) executables for this shape and top-k, compiled ahead of time on first use."""
+                 top_k: int = 0, options: dict | None = None) -> tuple[Any, Any]:
+        """The (prefill, step) executables for this shape and top-k, compiled ahead of time on first use (`params`
+        may be abstract, with shardings); `options`: XLA's, instead of sampler_compile_options'."""
         S = cache_length(prompt_len, max_new_tokens)
         T = prompt_bucket(prompt_len, S)
         top_k = self._static_top_k(top_k)
@@ -160,7 +163,7 @@ class Decoder:
             cache = jax.eval_shape(lambda: init_cache(self.model.shape, batch, S, self.model.dtype))
             i32, f32 = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)
             key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-            options = sampler_compile_options(self.model.platform)
+            options = sampler_compile_options(self.model.platform) if options is None else options
             prefill = self._prefill.lower(params, jax.ShapeDtypeStruct((batch, T), jnp.int32), S, i32, key,
                                           f32, top_k, f32).compile(compiler_options=options)
             step = self._step.lower(params, jax.ShapeDtypeStruct((batch,), jnp.int32), cache, i32, key,

@@ -16,19 +16,37 @@ from slm.train.interrupts import SignalWatcher
 from slm.train.step import make_eval_step
 
 
+SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 40  # the eval's sample
+
+
+def sampler_ahead(built: Any, start_ids: list[int], seq_len: int) -> Decoder:
+    """A decoder holding the eval sample's programs, compiled now at the params' abstract shapes and shardings
+    with XLA's own options. The trainer calls it in pre-flight on a GPU, before anything is resident: XLA:GPU's
+    autotuning then runs its candidate kernels on an empty card instead of beside the state, and the sample
+    keeps the tuned kernels (on an H200, 2026-11-26: the untuned decode was 1.25x slower for Gemma-3-1B QLoRA,
+    1.33x for Mistral-7B; bench/plan_for_xla.py device --trainer-order)."""
+    params = built.abstract.params
+    if built.base_abstract is not None:
+        params = merge(built.base_abstract, params)
+    decoder = Decoder(built.model)
+    decoder.compiled(params, 1, len(start_ids), seq_len - len(start_ids), SAMPLE_TOP_K, options={})
+    return decoder
+
+
 class Evaluator:
     """Sums the held-out set's nats in fixed-size batches (padded, so the eval step compiles once), and
     samples a sequence from the tokens a document starts after (`start_ids`) with the KV-cache decoder."""
 
     def __init__(self, model: Transformer, eval_set: EvalSet, batch_size: int, batch_sharding: Any, tokenizer: Any,
                  start_ids: list[int], seq_len: int, seed: int, procs: Processes, signals: SignalWatcher,
-                 samples_path: str | None, base: Any = None, lora: LoraSpec | None = None):
+                 samples_path: str | None, base: Any = None, lora: LoraSpec | None = None,
+                 decoder: Decoder | None = None):
         self.model, self.eval_set, self.batch_size, self.batch_sharding = model, eval_set, batch_size, batch_sharding
         self.tokenizer, self.start_ids, self.seq_len, self.seed = tokenizer, start_ids, seq_len, seed
         self.procs, self.signals, self.samples_path = procs, signals, samples_path
         self.base, self.lora = base, lora  # LoRA: the trained params are the adapters of this frozen base
         self.eval_step = make_eval_step(model)
-        self.decoder = Decoder(model)
+        self.decoder = decoder or Decoder(model)  # sampler_ahead's, where pre-flight compiled the sample
 
     def score(self, params: Any) -> tuple[float, float] | None:
         """(sum of nats, tokens scored); None when a signal arrives meanwhile (the run saves and stops)."""
@@ -47,13 +65,13 @@ class Evaluator:
         return nats, count
 
     def sample(self, params: Any, step: int) -> str:
-        """A seq_len-token sample (temperature 0.8, top-k 40; key from seed + step), also appended to samples.txt.
+        """A seq_len-token sample (SAMPLE_TEMPERATURE, SAMPLE_TOP_K; key from seed + step), also appended to samples.txt.
         With LoRA the decoder applies the adapters beside the base as held (an NF4 base dequantised one kernel at a
         time in the program): no folded or float32 copy of the base, so sampling stays inside the run's plan."""
         if self.base is not None:
             params = merge(self.base, params)
         ids = generate_ids(self.model, params, self.start_ids, self.seq_len - len(self.start_ids), decoder=self.decoder,
-                           temperature=0.8, top_k=40, key=jax.random.PRNGKey(self.seed + step))
+                           temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K, key=jax.random.PRNGKey(self.seed + step))
         text = self.tokenizer.decode(ids[0].tolist())
         if self.samples_path is not None:
             with open(self.samples_path, "a") as f:

@@ -146,6 +146,7 @@ def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target
     from jax.sharding import Mesh
 
     from slm.model.generate import Decoder
+    from slm.train.evaluate import SAMPLE_TOP_K
     from slm.model.lora import merge
     from slm.train.builder import StepSpec, build, compile_step
     from slm.train.step import make_eval_step
@@ -171,13 +172,15 @@ def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target
     batch = [jax.ShapeDtypeStruct((c.batch_size, c.seq_len), d, sharding=built.batch_sharding)
              for d in (jnp.int32, jnp.int32, jnp.float32)]
     decoder, new = Decoder(built.model), c.seq_len - 1  # the trainer's sample: seq_len tokens after a start token
+    # compiled as the trainer's pre-flight compiles it on a GPU (slm.train.evaluate.sampler_ahead): XLA's options
+    sampler = lambda: decoder.compiled(params, 1, 1, new, SAMPLE_TOP_K, options={})  # noqa: E731
 
     def others() -> list[tuple]:
         return [measure("eval step", lambda: make_eval_step(built.model).lower(params, *batch).compile(), beside,
                         f"batch {c.batch_size} x {c.seq_len}", target, keep),
-                measure("sample prefill", lambda: decoder.compiled(params, 1, 1, new, 40)[0], beside,
+                measure("sample prefill", lambda: sampler()[0], beside,
                         f"KV cache of {c.seq_len} positions", target, keep),
-                measure("sample decode step", lambda: decoder.compiled(params, 1, 1, new, 40)[1], beside,
+                measure("sample decode step", lambda: sampler()[1], beside,
                         "one token, cache donated", target, keep)]
 
     with ThreadPoolExecutor(2) as pool:

@@ -134,11 +134,28 @@ def _run(c: Config, out: str, locks: list, start: float, log: Log, procs: Any, s
         c, chosen = settle_defaults(c, data, log)
         chunk_lever = any(choice.key == "loss_chunk" for choice in chosen)
         built, compiled, plan, c = plan_step(c, data, procs, log, chunk_lever)
+        sampler = sampler_in_preflight(c, data, built, log)
         load_init_weights(c, data, built, log)  # after the plan: read straight into their final layout
         handed = [compiled]  # _train's DeviceStep takes the only reference, so it can free it (for_epoch)
         del compiled
         env.defaults = {choice.key: choice.reason for choice in chosen}  # config.json's record of them
-        return _train(c, data, built, handed, plan, env, list(callbacks))
+        return _train(c, data, built, handed, plan, env, list(callbacks), sampler)
+
+
+SAMPLER_AHEAD_ON = ("gpu",)  # the platforms whose compiles allocate on the device (XLA:GPU's autotuning)
+
+
+def sampler_in_preflight(c: Config, data: TrainData, built: Any, log: Log) -> Any:
+    """On a GPU, the eval sample's decoder compiled now, before anything is resident (sampler_ahead says why);
+    elsewhere None: the first eval compiles it."""
+    if built.mesh.devices.flat[0].platform not in SAMPLER_AHEAD_ON:
+        return None
+    from slm.train.evaluate import sampler_ahead
+
+    t0 = time.time()
+    decoder = sampler_ahead(built, sample_start(data.tokenizer, data.special), c.seq_len)
+    log(f"[eval] the sample's decoder compiled in {time.time() - t0:.1f} s, autotuned before the state is placed")
+    return decoder
 
 
 @contextmanager
@@ -228,7 +245,7 @@ class Batches:
 
 
 def _train(c: Config, data: TrainData, built: Any, handed: list, plan: MemoryPlan, env: Env,
-           extra: list[Callback]) -> dict:
+           extra: list[Callback], sampler: Any = None) -> dict:
     import jax
 
     from slm.memory.monitor import jax_device_bytes
@@ -265,7 +282,8 @@ def _train(c: Config, data: TrainData, built: Any, handed: list, plan: MemoryPla
         loader = make_loader(c, data, procs, env.log)
     batches = Batches(loader, data.rows, c.batch_size // procs.count, c.seed, resumed.get("loader"),
                       run.epoch_micro)
-    callbacks = make_callbacks(c, data, built, facts, resolved, peak[0], ckpt, loader, env, resumed, base, extra)
+    callbacks = make_callbacks(c, data, built, facts, resolved, peak[0], ckpt, loader, env, resumed, base, extra,
+                               sampler)
     closing = env.stack.enter_context(ExitStack())  # each callback closed once: at the end, or on an error
     for cb in reversed(callbacks):
         closing.callback(cb.close)
@@ -402,7 +420,7 @@ def check_disk(c: Config, env: Env, state: Any) -> None:
 
 def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, resolved: dict, peak: float,
                    ckpt: Checkpointer, loader: StreamingDataLoader | None, env: Env, resumed: dict,
-                   base: Any = None, extra: Sequence[Callback] = ()) -> list[Callback]:
+                   base: Any = None, extra: Sequence[Callback] = (), sampler: Any = None) -> list[Callback]:
     """The trainer's callbacks in their order (slm.train.callbacks), with their sinks. The caller's `extra`
     callbacks run after the checkpoint and before the stop conditions, so they see every step, the last too."""
     from slm.train.callbacks import (
@@ -431,7 +449,7 @@ def make_callbacks(c: Config, data: TrainData, built: Any, facts: RunFacts, reso
     plot = LossPlot(out, procs.primary, log, emit)
     evaluator = Evaluator(built.model, data.eval_set, c.batch_size, built.batch_sharding, data.tokenizer,
                           sample_start(data.tokenizer, data.special), c.seq_len, c.seed, procs, env.signals, os.path.join(out, "samples.txt") if procs.primary else None,
-                          base=base, lora=built.spec.lora)
+                          base=base, lora=built.spec.lora, decoder=sampler)
     monitor = env.monitor
     return [console,
             LogMetrics(emit, facts.model_flops_per_token, peak, facts.devices, env.start, lambda: monitor.device_mb,
