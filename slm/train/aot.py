@@ -79,6 +79,7 @@ def target_devices(target: Target) -> list[Any]:
     try:
         with quiet_native_stderr():
             if target.platform == "gpu":
+                register_cuda_compiler()
                 topo = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(f),
                                                     topology=f"1x1x{target.count}")
             else:
@@ -89,6 +90,31 @@ def target_devices(target: Target) -> list[Any]:
         raise ConfigError(f"--plan-for {target.name}: XLA could not describe this target here "
                           f"({type(e).__name__}: {first_line(e)[:200]})") from None
     return list(topo.devices)
+
+
+def register_cuda_compiler() -> None:
+    """Make sure jax's CUDA plugin is registered. jax registers its plugins once a process, and the CUDA plugin
+    first checks the CUDA runtime's version unless jax_platforms leaves CUDA out: where jax's backends started
+    without that (a notebook's `jax.devices()` before the plan, on a machine without CUDA) the check failed and
+    no CUDA compiler was registered ("topology not implemented for cuda"). A compile needs no runtime: register
+    it again with the check skipped (jax's own JAX_SKIP_CUDA_CONSTRAINTS_CHECK), for this call only."""
+    from jax._src import xla_bridge
+
+    xla_bridge._discover_and_register_pjrt_plugins()  # what jax does at its first backend or topology
+    if "cuda" in xla_bridge._topology_factories:  # registered (or a real GPU's): nothing to do
+        return
+    import importlib
+
+    plugin = importlib.import_module(PLUGIN["gpu"])
+    skip = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    try:
+        plugin.initialize()
+    finally:
+        if skip is None:
+            del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]
+        else:
+            os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = skip
 
 
 @contextlib.contextmanager

@@ -100,6 +100,22 @@ def test_a_cpu_run_with_the_compilers_installed_prints_nothing_new(tmp_path):
     assert run.stderr == ""
 
 
+def test_a_gpu_plan_after_the_notebook_started_jax_its_own_way(tmp_path):
+    """A notebook that ran `jax.devices()` first, with no JAX_PLATFORMS, on a machine without CUDA: jax's CUDA
+    plugin failed its runtime check then and was never registered, and the plan said "topology not implemented
+    for cuda". It compiles for the GPU all the same."""
+    code = ("import jax\n"
+            "jax.devices()\n"
+            "from slm.train.plan_for import plan_for\n"
+            f"p = plan_for('h100-80gb', log=lambda *_: None, train_only=True, target_params=150_000, vocab_size=512, "
+            f"seq_len=64, batch_size=8, output_dir={str(tmp_path)!r})\n"
+            "print(p['device'], p['programs'][0]['program'], p['programs'][0]['fits'])\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "JAX_PLATFORMS"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines()[-1] == "NVIDIA H100 80GB HBM3 train step True"
+
+
 @pytest.mark.slow
 def test_a_head_wider_than_cudnn_takes_takes_the_einsum_attention_on_a_gpu(tmp_path):
     """Gemma 3's heads are 256 wide; jax's cuDNN attention takes at most 128, and refused the model on a GPU
