@@ -323,8 +323,11 @@ FIT_KEYS = ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "
 
 
 def saves_beside_steps(c: Config) -> bool:
-    """Whether a step runs after a checkpoint save: not when the run ends within its first --checkpoint-every."""
-    return c.max_steps is None or c.max_steps > c.checkpoint_every or c.checkpoint_minutes is not None
+    """Whether a step runs after a checkpoint save: not when the run ends within its first --checkpoint-every,
+    unless a WSD schedule decays (it saves its last step before the decay, kept for a longer run to branch from,
+    and the decay's steps run beside that save: slm.train.loop)."""
+    wsd_saves = c.schedule == "wsd" and c.decay_fraction < 1 and (c.max_steps is None or c.max_steps > 1)
+    return wsd_saves or c.max_steps is None or c.max_steps > c.checkpoint_every or c.checkpoint_minutes is not None
 
 
 def fit_choices(c: Config, data: TrainData, procs: Processes, chunk_lever: bool = False) -> list[dict]:
