@@ -134,3 +134,17 @@ def test_each_refusal_suggests_only_what_works_and_leaves_no_folder(tmp_path, da
     assert rc == 2 and "add --auto-fit" in said and not out.exists(), said
     rc, said, out = run("--memory-budget", "1GB", "--auto-fit")  # the suggestion, followed
     assert rc == 0 and json.loads((out / "summary.json").read_text())["steps"] == 1, said
+
+
+@pytest.mark.parametrize("schedule", ["wsd", "cosine"])
+def test_the_plan_counts_a_save_beside_a_step_exactly_when_the_run_makes_one(tmp_path, data_dir, schedule):
+    """A run shorter than --checkpoint-every: WSD still saves its last step before the decay and runs the decay's
+    steps beside that save, so the plan must count the save's copy; cosine saves only at the end. The reference
+    is the checkpoints the run actually wrote."""
+    logged = []
+    train(_config(data_dir, tmp_path / "run", max_steps=3, schedule=schedule), log=logged.append)
+    steps = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    plan_line = next(line for line in logged if "predicted peak host RSS" in line)
+    saved_before_the_end = any(s < 3 for s in steps)
+    assert saved_before_the_end == (schedule == "wsd")
+    assert ("none before the last step" in plan_line) == (not saved_before_the_end)
