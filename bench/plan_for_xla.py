@@ -425,7 +425,7 @@ def trainer_order_row(name: str, models: str) -> dict:
         np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((state, base))) / 2**20, "seen": seen}
     if c.dropout and c.dropout_from_epoch:  # the step with dropout compiles when its epoch begins (slm.train.run)
         planned = compiled_peak(keep["train step"]) / 2**20
-        later, _, later_mb = compile_step(with_dropout(built, c.dropout))
+        _, _, later_mb = compile_step(with_dropout(built, c.dropout))
         seen["dropout step compiled beside the state"] = allocator(device)
         out["dropout_step_mb"] = {"without (planned)": planned, "with dropout": later_mb}
     out["decode_ms_per_token"] = decode_speed(decoder, built.model, params, c.seq_len - 1)

@@ -146,9 +146,9 @@ def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target
     from jax.sharding import Mesh
 
     from slm.model.generate import Decoder
-    from slm.train.evaluate import SAMPLE_TOP_K
     from slm.model.lora import merge
     from slm.train.builder import StepSpec, build, compile_step
+    from slm.train.evaluate import SAMPLE_TOP_K
     from slm.train.step import make_eval_step
 
     if c.batch_size % len(devices):

@@ -15,6 +15,7 @@ from slm.data.tokenizer import train_bpe
 from train_optimized import main
 
 pytestmark = pytest.mark.slow
+ahead = evaluate.sampler_ahead  # the real one, before the test patches it in
 
 
 def test_a_sampler_compiled_in_preflight_is_the_one_the_evals_use(tmp_path, data_dir, monkeypatch, capsys):
@@ -44,5 +45,3 @@ def test_a_sampler_compiled_in_preflight_is_the_one_the_evals_use(tmp_path, data
     later, early = ((tmp_path / d / "samples.txt").read_text() for d in ("later", "ahead"))
     assert later.count("=== step") == 2 and early == later
 
-
-ahead = evaluate.sampler_ahead
