@@ -66,8 +66,9 @@ class Evaluator:
 
     def sample(self, params: Any, step: int) -> str:
         """A seq_len-token sample (SAMPLE_TEMPERATURE, SAMPLE_TOP_K; key from seed + step), also appended to
-        samples.txt. With LoRA the decoder applies the adapters beside the base as held (an NF4 base dequantised one kernel at a
-        time in the program): no folded or float32 copy of the base, so sampling stays inside the run's plan."""
+        samples.txt. With LoRA the decoder applies the adapters beside the base as held (an NF4 base dequantised
+        one kernel at a time in the program): no folded or float32 copy of the base, so sampling stays inside the
+        run's plan."""
         if self.base is not None:
             params = merge(self.base, params)
         ids = generate_ids(self.model, params, self.start_ids, self.seq_len - len(self.start_ids), decoder=self.decoder,
