@@ -303,14 +303,14 @@ def load_init_weights(c: Config, data: TrainData, built: Any, log: Log) -> None:
     on --resume of a full fine-tune (the checkpoint has them), always for LoRA (the base is not saved)."""
     if not c.init_from or (c.resume and c.lora_rank is None):
         return
-    import jax
-
     from slm.train.builder import load_weights
 
     t = time.time()
     data.init_params, data.base_fingerprint, what = load_weights(built, data.init_folder)
-    log(f"[init] {c.init_from}: {sum(x.size for x in jax.tree.leaves(data.init_params)) / 1e6:.1f}M parameters "
-        f"loaded from {what} in {time.time() - t:.1f}s{f' as the frozen {c.base_dtype} base' if c.lora_rank else ''}")
+    release_free_heap()  # the tensors read and converted on the way: back to the OS, not kept beside the steps
+    # the shape's count: an nf4 leaf holds two weights a byte and a scale a block, so leaf sizes undercount
+    log(f"[init] {c.init_from}: {count_params(data.shape) / 1e6:.3f}M parameters loaded from {what} in "
+        f"{time.time() - t:.1f}s{f' as the frozen {c.base_dtype} base' if c.lora_rank else ''}")
 
 
 def finetune_of(c: Config) -> Finetune | None:

@@ -30,7 +30,7 @@ def _metrics(run_dir) -> dict[int, float]:
 
 def test_qlora_resumes_exactly_and_exports_the_dequantised_merge(tmp_path, data_dir, capsys):
     base = tmp_path / "base"
-    save_tiny("llama3", base, vocab_size=300, tokenizer=train_bpe(DOCS, 300))
+    hf = save_tiny("llama3", base, vocab_size=300, tokenizer=train_bpe(DOCS, 300))
     common = ["--use-streaming", "--init-from", str(base), "--dataset-id", str(data_dir / "tinyshakespeare_train.txt"),
               "--seq-len", "32", "--batch-size", "4", "--eval-tokens", "256", "--lora-rank", "4", "--lora-targets",
               "q_proj,v_proj,down_proj", "--base-dtype", "nf4", "--learning-rate", "3e-3", "--checkpoint-every", "3",
@@ -39,6 +39,8 @@ def test_qlora_resumes_exactly_and_exports_the_dequantised_merge(tmp_path, data_
     assert main(common + ["--max-steps", "6", "--output-dir", str(whole)]) == 0
     log = capsys.readouterr().out
     assert "base frozen in nf4" in log
+    # every weight counted, as transformers counts them (an nf4 leaf holds two a byte: leaf sizes undercount)
+    assert f"{sum(p.numel() for p in hf.parameters()) / 1e6:.3f}M parameters loaded from safetensors" in log
     values, explicit, _ = parse_flags(common + ["--max-steps", "6", "--output-dir", str(cut)])
     assert train(Config(**values), explicit=explicit, callbacks=[StopAfter(3)])["steps"] == 3
     assert main(["--resume", str(cut)]) == 0
