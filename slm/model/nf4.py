@@ -61,8 +61,11 @@ def dequantize_rows(codes: jax.Array, absmax: jax.Array, n_in: int, n_out: int, 
                     levels: jax.Array | None = None) -> jax.Array:
     """The weights back as (out, in) rows in `dtype` (jax; traced inside the step)."""
     table = jnp.asarray(LEVELS) if levels is None else levels
-    # each nibble looked up on its own: a stacked (n, 2) index array would not depend on `levels` (see _after)
-    pairs = jnp.stack([table[(codes >> 4).astype(jnp.int32)], table[(codes & 15).astype(jnp.int32)]], axis=-1)
+    byte = jnp.arange(256)
+    pair_table = jnp.stack([table[byte >> 4], table[byte & 15]], axis=-1)  # (256, 2): what each byte stands for
+    # one lookup a byte for both its weights: XLA:CPU's gathers are scalar loops, and this halves them and
+    # reads one row of 8 bytes: 9x faster than a lookup a nibble (1152 x 6912, float32, 2-core EPYC), the same bits
+    pairs = jnp.take(pair_table, codes.astype(jnp.int32), axis=0, mode="clip")
     values = pairs.reshape(-1, BLOCK) * absmax[:, None]
     return values.reshape(-1)[: n_in * n_out].reshape(n_out, n_in).astype(dtype)
 
