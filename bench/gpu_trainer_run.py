@@ -39,12 +39,10 @@ def random_model(model: str, text: str, out: str, vocab: int = 4096) -> None:
     """config.json + random float32 safetensors (slm's init) + a BPE tokenizer.json trained on `text`."""
     from slm.data.tokenizer import train_bpe
     from slm.io.hf_export import WEIGHTS, hf_state_dict, save_tensors
-    from slm.io.hf_import import shape_from_hf_config
+    from slm.io.hf_import import load_hf_folder
     from slm.model.transformer import Transformer, init_params
 
-    with open(os.path.join(model, "config.json")) as f:
-        cfg = json.load(f)
-    shape = shape_from_hf_config(cfg)
+    shape, _, _ = load_hf_folder(model, weights=False)  # the shape from config.json, as --init-from reads it
     os.makedirs(out, exist_ok=True)
     shutil.copyfile(os.path.join(model, "config.json"), os.path.join(out, "config.json"))
     t = time.time()
@@ -71,6 +69,11 @@ def plan(a: argparse.Namespace, flags: list[str]) -> None:
     rc = trainer(["--use-streaming", "--init-from", a.model, "--dataset-id", a.text, "--plan-for", a.target,
                   "--output-dir", a.out, *flags], os.path.join(a.out, "plan.log"))
     print(f"[plan] exit {rc}: {os.path.join(a.out, 'plan.json')}")
+
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
 
 
 def compare(summary: dict, planned: dict | None) -> dict:
@@ -102,9 +105,9 @@ def run(a: argparse.Namespace, flags: list[str]) -> None:
                 shutil.copyfile(os.path.join(run_dir, name), os.path.join(a.out, name))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    planned = json.load(open(a.plan)) if a.plan else None
+    planned = read_json(a.plan) if a.plan else None
     summary_path = os.path.join(a.out, "summary.json")
-    result = {"exit": rc, **(compare(json.load(open(summary_path)), planned) if os.path.exists(summary_path) else {})}
+    result = {"exit": rc, **(compare(read_json(summary_path), planned) if os.path.exists(summary_path) else {})}
     with open(os.path.join(a.out, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))

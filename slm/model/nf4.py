@@ -62,7 +62,9 @@ def dequantize_rows(codes: jax.Array, absmax: jax.Array, n_in: int, n_out: int, 
     """The weights back as (out, in) rows in `dtype` (jax; traced inside the step)."""
     table = jnp.asarray(LEVELS) if levels is None else levels
     byte = jnp.arange(256)
-    pair_table = jnp.stack([table[byte >> 4], table[byte & 15]], axis=-1)  # (256, 2): what each byte stands for
+    # (256, 2): what each byte stands for; built from `levels`, never a constant, so the lookup still depends on
+    # the layer's input (see _after)
+    pair_table = jnp.stack([table[byte >> 4], table[byte & 15]], axis=-1)
     # one lookup a byte for both its weights: XLA:CPU's gathers are scalar loops, and this halves them and
     # reads one row of 8 bytes: 9x faster than a lookup a nibble (1152 x 6912, float32, 2-core EPYC), the same bits
     pairs = jnp.take(pair_table, codes.astype(jnp.int32), axis=0, mode="clip")
