@@ -170,8 +170,8 @@ def fsdp_gathered_bytes(shape: ModelShape, base_dtype: str, casts: int, devices:
 def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, remat: bool, platform: str,
                     chunked_loss: bool = False) -> int:
     """Bytes of compute-dtype copies of base weights the step holds at its peak (module docstring). A chunked
-    loss (--loss-chunk) casts the head a chunk at a time, but on CPU slices a 16-bit head as its bit pattern, a
-    copy of the whole head (slm.model.loss._slice_rows)."""
+    loss (--loss-chunk) casts the head a chunk at a time, inside its loop (slm.model.loss.rows_in_loop): no
+    copy of the whole head."""
     block, head = matmul_weights(shape)
     if base_dtype == "nf4":  # the head as a bfloat16 base's, and one block kernel dequantised at a time
         return base_cast_bytes(replace(shape, n_layers=0), "bfloat16", mixed_precision,
@@ -181,7 +181,7 @@ def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, r
         if not (base_dtype != "float32" or mixed_precision):
             return 0
         if chunked_loss:
-            return int(CAST_CPU * 4 * shape.n_layers * block) + (2 * head if base_dtype != "float32" else 0)
+            return int(CAST_CPU * 4 * shape.n_layers * block)
         head_rounding = 2 * head if mixed_precision and base_dtype != "bfloat16" else 0
         return int(CAST_CPU * 4 * (shape.n_layers * block + head)) + head_rounding
     head = 0 if chunked_loss else head

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from slm.model.loss import chunked_token_nll
+from slm.model.loss import chunked_token_nll, head_logits
 from slm.model.sizing import ModelShape, default_loss_chunk, logit_columns
 from slm.model.transformer import Transformer, init_params, token_nll
 
@@ -46,8 +46,8 @@ def test_bf16_operands_match_the_full_logits_in_bf16():
 
 
 @pytest.mark.parametrize("head_dtype", [jnp.bfloat16, jnp.float16])
-def test_a_16_bit_head_sliced_as_its_bit_pattern_gives_its_own_values(head_dtype):
-    """A LoRA base's head in bf16 / fp16 is sliced as uint16 (slm.model.loss._slice_rows): same loss and dx as
+def test_a_16_bit_head_read_a_chunk_at_a_time_gives_its_own_values(head_dtype):
+    """A LoRA base's head in bf16 / fp16, read a chunk at a time (slm.model.loss.rows_in_loop): same loss and dx as
     the whole logits of the same 16-bit head."""
     x, head, targets, w = problem(V=300, D=32)
     h16 = head.astype(head_dtype)
@@ -78,6 +78,24 @@ def test_the_backward_pass_holds_a_chunk_of_logits_not_all(head_dtype):
     ours = temp_bytes(jax.grad(lambda x, h, t: chunked_token_nll(x, h, t, 1024).sum(), (0, 1)), x, head, targets)
     assert full > B * L * V * 4
     assert ours < full / 4, (ours / 2**20, full / 2**20)
+
+
+def test_a_16_bit_head_is_never_copied_whole():
+    """A frozen bf16 head (a LoRA base's) read in chunks inside the loss's loops: XLA:CPU's float32 cast of a 16-bit
+    slice must not be hoisted out of the loop as a copy of the whole head (nor a 16-bit one)."""
+    B, L, D, V = 1, 64, 128, 65536  # the head: 16 MB in bf16, 32 MB as float32; a chunk's logits 0.25 MB
+    x, head = jax.ShapeDtypeStruct((B, L, D), jnp.float32), jax.ShapeDtypeStruct((V, D), jnp.bfloat16)
+    targets = jax.ShapeDtypeStruct((B, L), jnp.int32)
+    ours = temp_bytes(jax.value_and_grad(lambda x, h, t: chunked_token_nll(x, h, t, 1024).sum()), x, head, targets)
+    assert ours < V * D * 2 / 4, ours / 2**20
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 300, 512])  # 7 does not divide 300: the last chunk overlaps
+def test_head_logits_by_chunks_are_the_whole_products(chunk):
+    x, head, _, _ = problem(V=300, D=32)
+    h16 = head.astype(jnp.bfloat16)
+    want = jnp.einsum("bld,vd->blv", x, h16.astype(jnp.float32), preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(jax.jit(head_logits, static_argnums=2)(x, h16, chunk), want, rtol=1e-6, atol=1e-6)
 
 
 def test_a_frozen_head_gets_no_gradient_computed():
