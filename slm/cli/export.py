@@ -135,10 +135,12 @@ def _max_positions(config: dict) -> int:
     return max(int(config.get("seq_len") or 0), 1)
 
 
-def run(args: argparse.Namespace, err: Any = sys.stderr) -> list[str]:
+def run(args: argparse.Namespace, err: Any = None) -> list[str]:
     """Export on the host CPU whatever the machine has: merging adapters or dequantising an NF4 base makes a
     full-precision copy of the model, which belongs in host memory, not beside nothing on a GPU's (the
-    device plan, --plan-for, counts no export program)."""
+    device plan, --plan-for, counts no export program). `err`: where the summary goes, sys.stderr as it is at
+    the call (a default bound at import kept the first caller's stream: a notebook's or a test's, closed since)."""
+    err = sys.stderr if err is None else err
     from slm.train.devices import import_jax_quietly, start_backend
 
     validate(args)

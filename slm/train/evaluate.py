@@ -47,6 +47,7 @@ class Evaluator:
         self.base, self.lora = base, lora  # LoRA: the trained params are the adapters of this frozen base
         self.eval_step = make_eval_step(model)
         self.decoder = decoder or Decoder(model)  # sampler_ahead's, where pre-flight compiled the sample
+        self.ahead = decoder is not None
 
     def score(self, params: Any) -> tuple[float, float] | None:
         """(sum of nats, tokens scored); None when a signal arrives meanwhile (the run saves and stops)."""
@@ -71,7 +72,8 @@ class Evaluator:
         run's plan."""
         if self.base is not None:
             params = merge(self.base, params)
-        params = one_cpu_device(params)
+        if not self.ahead:  # a decoder compiled ahead (pre-flight, accelerators) takes the mesh's layout
+            params = one_cpu_device(params)
         ids = generate_ids(self.model, params, self.start_ids, self.seq_len - len(self.start_ids), decoder=self.decoder,
                            temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K,
                            key=jax.random.PRNGKey(self.seed + step))
@@ -87,11 +89,12 @@ def one_cpu_device(params: Any) -> Any:
     """Params replicated over several CPU devices as device 0's copies (no copy made), so the sample's decoder
     runs once on all cores instead of once per device side by side: each device held its own temporaries and the
     devices shared the same cores (Gemma-3-1B QLoRA on the 2-core EPYC: 1.4 s a token on 2 devices against
-    0.75 s on one). On an accelerator, or a tree split over its devices (FSDP), `params` as they are: there the
-    decoder was compiled ahead for the mesh (sampler_ahead)."""
+    0.75 s on one). On an accelerator, over several processes, or a tree split over its devices (FSDP), `params`
+    as they are."""
     leaves = jax.tree.leaves(params)
-    one = all(isinstance(x, jax.Array) and x.sharding.is_fully_replicated and len(x.sharding.device_set) > 1
-              and next(iter(x.sharding.device_set)).platform == "cpu" for x in leaves)
+    one = all(isinstance(x, jax.Array) and x.is_fully_addressable and x.sharding.is_fully_replicated
+              and len(x.sharding.device_set) > 1 and next(iter(x.sharding.device_set)).platform == "cpu"
+              for x in leaves)  # one process's devices only: processes that share a run sample together
     if not (one and leaves):
         return params
     device = min(leaves[0].sharding.device_set, key=lambda d: d.id)
