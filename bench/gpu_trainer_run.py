@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,15 +54,57 @@ def random_model(model: str, text: str, out: str, vocab: int = 4096) -> None:
           f"in {time.time() - t:.1f}s", flush=True)
 
 
+def rss_of(pid: int) -> float:
+    """A process's resident set in MB (/proc: Linux, where the lent GPUs run), 0 once it has gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
+
+
+class RssByLine:
+    """The trainer's host RSS sampled every 20 ms, each sample charged to the last line it printed: where in a run
+    the host memory goes (its phases print a line each), without instrumenting the trainer."""
+
+    def __init__(self, pid: int):
+        self.pid, self.lines, self.peaks, self.done = pid, ["(start)"], [0.0], threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while not self.done.wait(0.02):
+            i = len(self.lines) - 1
+            self.peaks[i] = max(self.peaks[i], rss_of(self.pid))
+
+    def line(self, text: str) -> None:
+        self.peaks.append(0.0)  # peaks before lines: the sampler may read the new index meanwhile
+        self.lines.append(text.rstrip()[:110])
+
+    def report(self, top: int = 12) -> list[str]:
+        """The lines after which RSS rose most (in the order they printed), each with the peak it reached."""
+        self.done.set()
+        self.thread.join()
+        rises = [(p - max(self.peaks[:i] or [0.0]), i) for i, p in enumerate(self.peaks)]
+        keep = sorted(i for r, i in sorted(rises, reverse=True)[:top] if r > 0 or i == 0)
+        return [f"[rss] {self.peaks[i]:8,.0f} MB (+{max(rises[i][0], 0):,.0f}) after: {self.lines[i]}" for i in keep]
+
+
 def trainer(args: list[str], log: str) -> int:
-    """train_optimized.py in its own process, its output to the console and to `log`."""
+    """train_optimized.py in its own process, its output to the console and to `log`; then where its RSS rose."""
     with open(log, "w") as f:
         p = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_optimized.py"), *args], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        rss = RssByLine(p.pid)
         for line in p.stdout:
             print(line, end="", flush=True)
             f.write(line)
-        return p.wait()
+            rss.line(line)
+        rc = p.wait()
+        report = rss.report()
+        print("\n".join(report), flush=True)
+        f.write("\n".join(report) + "\n")
+        return rc
 
 
 def plan(a: argparse.Namespace, flags: list[str]) -> None:

@@ -68,6 +68,7 @@ def configure_cpu_devices(n: int | None = None, start: bool = True) -> int:
     import jax
 
     n = n or min(os.cpu_count() or 1, MAX_CPU_DEVICES)
+    unstaged_gpu_transfers()  # here too: a distributed start calls this with start=False
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         try:
             jax.config.update("jax_num_cpu_devices", n)
@@ -96,6 +97,24 @@ def import_jax_quietly() -> None:
         import jax  # noqa: F401
 
 
+NVIDIA_FILES = ACCELERATOR_FILES[:3]
+
+
+def unstaged_gpu_transfers() -> None:
+    """On an NVIDIA machine, before jax's backend starts: host-to-device copies straight from the numpy array,
+    not through the CUDA client's pinned staging pool, which keeps every byte it ever staged. Measured on an
+    H100 (jax 0.11.2): placing ~1 GB of weights left the host 1,062 MB larger for the rest of the run (a pinned
+    /dev/zero mapping) and 6 MB without; the same values, no slower. An option the user gave
+    (jax_pjrt_client_create_options / JAX_PJRT_CLIENT_CREATE_OPTIONS) is left as it is."""
+    import jax
+    from jax._src import xla_bridge
+
+    if (xla_bridge.backends_are_initialized() or jax.config.jax_pjrt_client_create_options
+            or not any(map(os.path.exists, NVIDIA_FILES)) or "cuda" not in (jax.config.jax_platforms or "cuda")):
+        return
+    jax.config.update("jax_pjrt_client_create_options", {"should_stage_host_to_device_transfers": False})
+
+
 def start_backend() -> None:
     """Start jax's backend. On a machine with no GPU or TPU and no JAX_PLATFORMS of the user's, ask for the CPU
     alone: with jax's CUDA plugin or libtpu installed (the --plan-for extras) jax would otherwise try each at
@@ -108,6 +127,7 @@ def start_backend() -> None:
     if xla_bridge.backends_are_initialized():
         return
     if jax.config.jax_platforms or not no_accelerator():
+        unstaged_gpu_transfers()
         jax.devices()
         return
     jax.config.update("jax_platforms", "cpu")
