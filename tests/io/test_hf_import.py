@@ -213,3 +213,52 @@ def test_gemma3_in_both_config_layouts(tmp_path):
                              ("hidden_activation", "gelu", "hidden_activation 'gelu'")]:
         with pytest.raises(RunError, match=f"^config.json: {says}"):
             shape_from_hf_config({**saved, key: value})
+
+
+@pytest.mark.parametrize("chunk_bytes", [12, 4096, 64 << 20])  # chunks ending mid-row, several rows, one chunk
+def test_float32_weights_read_narrowed_equal_numpys_own_cast(tmp_path, chunk_bytes, monkeypatch):
+    """A float32 file held in bfloat16 is converted as read, a chunk at a time (never the whole float32 copy
+    beside it): every value equals safetensors' float32 read cast by numpy, and a truncated file is refused."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    from slm.io import hf_import
+
+    rng = np.random.default_rng(0)
+    path = str(tmp_path / "model.safetensors")
+    save_file({"a": rng.standard_normal((37, 11), dtype=np.float32) * 3, "b": rng.standard_normal(5).astype(np.float32)},
+              path)
+    read = hf_import._read_narrowed
+    monkeypatch.setattr(hf_import, "_read_narrowed", lambda *a: read(*a, chunk_bytes=chunk_bytes))
+    got = dict(hf_import._tensors([path], ml_dtypes.bfloat16))
+    for name, want in load_file(path).items():
+        assert got[name].dtype == ml_dtypes.bfloat16 and got[name].shape == want.shape
+        assert np.array_equal(got[name].view(np.uint16), want.astype(ml_dtypes.bfloat16).view(np.uint16))
+    with open(path, "r+b") as f:
+        f.truncate(f.seek(0, 2) - 8)
+    with pytest.raises(RunError, match="truncated"):
+        dict(hf_import._tensors([path], ml_dtypes.bfloat16))
+
+
+def test_a_narrowed_read_never_holds_the_wide_tensor(tmp_path, monkeypatch):
+    """numpy reports its buffers to tracemalloc: reading a 32 MB float32 tensor as bfloat16 (16 MB) in 1 MB
+    chunks must peak below the float32 tensor's own size (the whole read and its cast held 48 MB)."""
+    import tracemalloc
+
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from slm.io import hf_import
+
+    path = str(tmp_path / "model.safetensors")
+    save_file({"w": np.ones((2048, 4096), np.float32)}, path)
+    read = hf_import._read_narrowed
+    monkeypatch.setattr(hf_import, "_read_narrowed", lambda *a: read(*a, chunk_bytes=1 << 20))
+    tracemalloc.start()
+    try:
+        (name, w), = hf_import._tensors([path], ml_dtypes.bfloat16)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert w.dtype == ml_dtypes.bfloat16 and float(w.astype(np.float32).min()) == 1.0
+    assert peak < 2048 * 4096 * 4, peak
