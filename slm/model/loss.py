@@ -34,11 +34,15 @@ def _chunk_logits(x_BxLxD: jax.Array, head_VxD: jax.Array, i: jax.Array, chunk: 
 
     Entries i*C .. i*C+C-1; the last chunk's slice is moved back to end at V (no padded copy of the head), and
     its columns below i*C, which the chunk before it counted, are -inf."""
-    V = head_VxD.shape[0]
-    start = jnp.minimum(i * chunk, V - chunk)
-    h_CxD = rows_in_loop(head_VxD, i, start, chunk).astype(x_BxLxD.dtype)
+    start, h_CxD = _head_rows(head_VxD, i, chunk, x_BxLxD.dtype)
     logits = contract_f32(x_BxLxD, (2,), h_CxD, (1,))
     return jnp.where(start + jnp.arange(chunk) >= i * chunk, logits, -jnp.inf), start, h_CxD
+
+
+def _head_rows(head_VxD: jax.Array, i: jax.Array, chunk: int, dtype: Dtype) -> tuple[jax.Array, jax.Array]:
+    """Chunk i's first row (the last chunk moved back to end at V) and its `chunk` rows of the head in `dtype`."""
+    start = jnp.minimum(i * chunk, head_VxD.shape[0] - chunk)
+    return start, rows_in_loop(head_VxD, i, start, chunk).astype(dtype)
 
 
 def rows_in_loop(a_VxD: jax.Array, i: jax.Array, start: jax.Array, rows: int) -> jax.Array:
@@ -63,8 +67,7 @@ def head_logits(x_BxLxD: jax.Array, head_VxD: jax.Array, chunk: int) -> jax.Arra
         return contract_f32(x_BxLxD, (2,), head_VxD.astype(x_BxLxD.dtype), (1,))
 
     def body(i: jax.Array, out_BxLxV: jax.Array) -> jax.Array:
-        start = jnp.minimum(i * chunk, V - chunk)
-        h_CxD = rows_in_loop(head_VxD, i, start, chunk).astype(x_BxLxD.dtype)
+        start, h_CxD = _head_rows(head_VxD, i, chunk, x_BxLxD.dtype)
         return lax.dynamic_update_slice_in_dim(out_BxLxV, contract_f32(x_BxLxD, (2,), h_CxD, (1,)), start, axis=2)
 
     return lax.fori_loop(0, -(-V // chunk), body, jnp.zeros(x_BxLxD.shape[:2] + (V,), jnp.float32))

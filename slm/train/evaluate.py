@@ -84,7 +84,6 @@ class Evaluator:
         return text
 
 
-
 def one_cpu_device(params: Any) -> Any:
     """Params replicated over several CPU devices as device 0's copies (no copy made), so the sample's decoder
     runs once on all cores instead of once per device side by side: each device held its own temporaries and the
