@@ -83,7 +83,8 @@ def row(shape: ModelShape, batch: int, seq: int, devices: int, remat: bool, mixe
         return None
     T, L, D, H = batch // devices * seq, shape.n_layers, shape.d_model, shape.n_heads
     cols = logit_columns(shape.vocab_size, None, "cpu")
-    fixed = sum(backward_bytes(shape, T, seq, (0.0,) * 5))  # the terms with no coefficient: chunked loss, q/k norms
+    # the terms with no coefficient: chunked loss, q/k norms, Gemma's block
+    fixed = sum(backward_bytes(shape, T, seq, (0.0,) * 5, compute_bytes=2 if mixed else 4))
     rest = est["total"] - est["activations"] - est["logits"]
     block = batch // devices * H * attention_block(seq) * seq  # one block's scores, not kept: a transient
     return [T * L * D, T * L * shape.d_ff, T * L * H * visible_keys(seq), T * cols, block], xla_mb * MB - rest - fixed

@@ -86,6 +86,12 @@ CAST_CPU = 0.96
 # coefficients (fitted to XLA:CPU at 2 and 4 layers of qwen3-0.6b, f32 and bf16 compute, bf16 and nf4 bases:
 # 12-15; without it the full-depth estimate was -7% of XLA's).
 QK_NORM_BYTES = 14.0
+# Gemma 3's block (sandwich norms, q/k norms over 256-wide heads, GeGLU) keeps more per layer than the
+# coefficients' Llama blocks: (bytes per token x D, bytes per D^2) a layer, by compute dtype's bytes, fitted to
+# XLA:CPU's LoRA step at 2 and 4 layers of gemma-3-1b's shape, seq 256 and 512, bf16 and nf4 bases (the same
+# at float32 with SwiGLU: the norms; under mixed precision GeGLU's). Without it the full-depth Gemma-3-1B
+# estimate was -11..-13% of XLA's (2026-11-27).
+GEMMA_BLOCK_BYTES = {4: (19.7, 3.4), 2: (10.0, 3.6)}
 # With an nf4 base XLA:CPU holds 0.82-0.99x the activations the coefficients give (5 shapes at 2 and 4 layers:
 # smollm2 0.82, qwen2.5 0.85, llama-3.2-1b 0.98, tinyllama 0.99); the middle of that range.
 NF4_ACTIVATIONS = 0.9
@@ -210,7 +216,9 @@ def backward_bytes(shape: ModelShape, tokens: int, seq_len: int, coefficients: t
     # Blocked causal attention's scores per query (slm.model.attention); a GPU's figures were fitted and checked
     # on a real card with the whole square (its bf16 step runs cuDNN's, which keeps none): kept as they were.
     keys = seq_len if platform == "gpu" else visible_keys(seq_len)
-    per_layer = a * D + b * F + c * H * keys + qk
+    g_token, g_layer = GEMMA_BLOCK_BYTES[compute_bytes] if shape.sandwich_norms and platform == "cpu" else (0, 0)
+    fixed += g_layer * L * D * D
+    per_layer = a * D + b * F + c * H * keys + qk + g_token * D
     if layer_coefficients is not None:
         a1, b1, c1 = layer_coefficients[:3]
         per_token = (L - 1) * D * compute_bytes + a1 * D + b1 * F + c1 * H * keys + qk
