@@ -19,6 +19,7 @@ prints its summary's device figures against the plan's: the allocator's peak (`p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -85,7 +86,8 @@ class RssByLine:
         """The lines after which RSS rose most (in the order they printed), each with the peak it reached."""
         self.done.set()
         self.thread.join()
-        rises = [(p - max(self.peaks[:i] or [0.0]), i) for i, p in enumerate(self.peaks)]
+        before = [0.0, *itertools.accumulate(self.peaks, max)]  # the highest RSS before each line's samples
+        rises = [(p - before[i], i) for i, p in enumerate(self.peaks)]
         keep = sorted(i for r, i in sorted(rises, reverse=True)[:top] if r > 0 or i == 0)
         return [f"[rss] {self.peaks[i]:8,.0f} MB (+{max(rises[i][0], 0):,.0f}) after: {self.lines[i]}" for i in keep]
 

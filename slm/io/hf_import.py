@@ -14,6 +14,7 @@ refused, naming the conversion; nothing is unpickled), one tensor at a time, and
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -70,29 +71,36 @@ def _tensors(files: list[str], dtype: Any = np.float32) -> Iterator[tuple[str, n
                     raise RunError(f"{path}: tensor {name} has dtype {info['dtype']}; expected floating point weights")
                 start, end = info["data_offsets"]
                 f.seek(8 + size + start)
-                stored = np.dtype(_DTYPES[info["dtype"]])
-                if np.dtype(dtype).itemsize < stored.itemsize:  # narrowed as read: never the whole wide copy
-                    yield name, _read_narrowed(f, info["shape"], stored, np.dtype(dtype), f"{path}: tensor {name}")
-                    continue
-                x = np.empty(info["shape"], dtype=stored)
-                if f.readinto(memoryview(x.reshape(-1).view(np.uint8))) != end - start:
-                    raise RunError(f"{path}: truncated at tensor {name}; download it again")
-                yield name, x.astype(dtype, copy=False)  # a bf16 file held in bf16 is never widened
+                yield name, _read_tensor(f, info["shape"], np.dtype(_DTYPES[info["dtype"]]), np.dtype(dtype),
+                                         end - start, f"{path}: truncated at tensor {name}; download it again")
 
 
-def _read_narrowed(f: Any, shape: list, stored: np.dtype, dtype: np.dtype, what: str,
-                   chunk_bytes: int = 64 << 20) -> np.ndarray:
-    """A tensor stored wider than it is held (float32 weights read as bfloat16), converted 64 MB at a time into
-    its array: Gemma-3-1B's float32 embedding (1.2 GB) is never held whole beside its bf16 copy."""
+def _read_tensor(f: Any, shape: list, stored: np.dtype, dtype: np.dtype, nbytes: int, truncated: str,
+                 chunk_bytes: int = 64 << 20) -> np.ndarray:
+    """The `nbytes` at f's position as a `shape` array held in `dtype`; RunError(`truncated`) where the file or
+    the header's size falls short. A tensor stored wider than it is held (float32 weights read as bfloat16) is
+    converted 64 MB at a time into its array: Gemma-3-1B's float32 embedding (1.2 GB) is never held whole
+    beside its bf16 copy."""
+    if nbytes != math.prod(shape) * stored.itemsize:
+        raise RunError(truncated)
+    if dtype.itemsize >= stored.itemsize:  # read whole; a bf16 file held in bf16 is never widened
+        x = np.empty(shape, dtype=stored)
+        _read_into(f, x.reshape(-1), truncated)
+        return x.astype(dtype, copy=False)
     out = np.empty(shape, dtype=dtype)
     flat, step = out.reshape(-1), max(chunk_bytes // stored.itemsize, 1)
     buf = np.empty(min(step, flat.size), dtype=stored)
     for i in range(0, flat.size, step):
         part = buf[:min(step, flat.size - i)]
-        if f.readinto(memoryview(part.view(np.uint8))) != part.nbytes:
-            raise RunError(f"{what} is truncated; download it again")
+        _read_into(f, part, truncated)
         flat[i:i + part.size] = part  # numpy's cast: the same rounding as astype
     return out
+
+
+def _read_into(f: Any, flat: np.ndarray, truncated: str) -> None:
+    """Fill a 1-D array with its size in bytes from f, or RunError(`truncated`)."""
+    if f.readinto(memoryview(flat.view(np.uint8))) != flat.nbytes:
+        raise RunError(truncated)
 
 
 def norm_names(shape: ModelShape) -> dict[str, str]:

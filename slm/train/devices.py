@@ -80,7 +80,8 @@ def configure_cpu_devices(n: int | None = None, start: bool = True) -> int:
 
 
 # Device files of a GPU or TPU driver: where none exists, no jax backend but the CPU's can start.
-ACCELERATOR_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/accel0", "/dev/vfio/0")
+NVIDIA_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia")
+ACCELERATOR_FILES = NVIDIA_FILES + ("/dev/kfd", "/dev/accel0", "/dev/vfio/0")
 
 
 def no_accelerator() -> bool:
@@ -95,9 +96,6 @@ def import_jax_quietly() -> None:
         return
     with quiet_native_stderr():
         import jax  # noqa: F401
-
-
-NVIDIA_FILES = ACCELERATOR_FILES[:3]
 
 
 def unstaged_gpu_transfers() -> None:

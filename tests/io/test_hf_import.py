@@ -228,8 +228,8 @@ def test_float32_weights_read_narrowed_equal_numpys_own_cast(tmp_path, chunk_byt
     path = str(tmp_path / "model.safetensors")
     save_file({"a": rng.standard_normal((37, 11), dtype=np.float32) * 3, "b": rng.standard_normal(5).astype(np.float32)},
               path)
-    read = hf_import._read_narrowed
-    monkeypatch.setattr(hf_import, "_read_narrowed", lambda *a: read(*a, chunk_bytes=chunk_bytes))
+    read = hf_import._read_tensor
+    monkeypatch.setattr(hf_import, "_read_tensor", lambda *a: read(*a, chunk_bytes=chunk_bytes))
     got = dict(hf_import._tensors([path], ml_dtypes.bfloat16))
     for name, want in load_file(path).items():
         assert got[name].dtype == ml_dtypes.bfloat16 and got[name].shape == want.shape
@@ -252,8 +252,8 @@ def test_a_narrowed_read_never_holds_the_wide_tensor(tmp_path, monkeypatch):
 
     path = str(tmp_path / "model.safetensors")
     save_file({"w": np.ones((2048, 4096), np.float32)}, path)
-    read = hf_import._read_narrowed
-    monkeypatch.setattr(hf_import, "_read_narrowed", lambda *a: read(*a, chunk_bytes=1 << 20))
+    read = hf_import._read_tensor
+    monkeypatch.setattr(hf_import, "_read_tensor", lambda *a: read(*a, chunk_bytes=1 << 20))
     tracemalloc.start()
     try:
         (name, w), = hf_import._tensors([path], ml_dtypes.bfloat16)
