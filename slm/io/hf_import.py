@@ -49,6 +49,7 @@ def weight_files(folder: str) -> list[str]:
 
 
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+READ_CHUNK = 64 << 20  # bytes: a tensor stored wider than it is held is converted this much at a time
 
 
 def _tensors(files: list[str], dtype: Any = np.float32) -> Iterator[tuple[str, np.ndarray]]:
@@ -63,9 +64,7 @@ def _tensors(files: list[str], dtype: Any = np.float32) -> Iterator[tuple[str, n
 
     for path in files:
         with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-            header.pop("__metadata__", None)
+            size, header = _header(f)
             for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
                 if info["dtype"] not in _DTYPES:
                     raise RunError(f"{path}: tensor {name} has dtype {info['dtype']}; expected floating point weights")
@@ -75,8 +74,41 @@ def _tensors(files: list[str], dtype: Any = np.float32) -> Iterator[tuple[str, n
                                          end - start, f"{path}: truncated at tensor {name}; download it again")
 
 
+def _header(f: Any) -> tuple[int, dict]:
+    """A safetensors file's header length and its tensors' {name: {dtype, shape, data_offsets}}."""
+    size = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return size, header
+
+
+def read_transient_mb(folder: str, held_itemsize: int, chunk_bytes: int = READ_CHUNK) -> float:
+    """What the host holds while load_hf_params reads the folder, beyond what it has placed (MB, from the
+    headers alone): the larger of the embedding/head as held plus its read buffer (_read_buffer), and twice
+    the largest layer as held (its tensors as read and as assembled: the bound while _block fuses them).
+    tracemalloc's peak on this CPU (2026-11-27): Gemma-3-1B's float32 read as bf16 640 MB (this: 640), two
+    Mistral-7B layers as bf16 752 MB (this: 834)."""
+    tops, layers = [0], {}
+    for path in weight_files(folder):
+        with open(path, "rb") as f:
+            for name, info in _header(f)[1].items():
+                n, stored = math.prod(info["shape"]), np.dtype(_DTYPES.get(info["dtype"], "float32")).itemsize
+                if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                    tops.append(n * held_itemsize + _read_buffer(n, stored, held_itemsize, chunk_bytes))
+                elif name.startswith("model.layers."):
+                    i = name[len("model.layers."):].split(".", 1)[0]
+                    layers[i] = layers.get(i, 0) + n * held_itemsize
+    return max(max(tops), 2 * max(layers.values(), default=0)) / 2**20
+
+
+def _read_buffer(n: int, stored: int, held: int, chunk_bytes: int) -> int:
+    """Bytes _read_tensor holds beside a tensor of `n` values: one chunk when it narrows, the tensor as stored
+    when it widens, nothing when the two agree."""
+    return min(n * stored, chunk_bytes) if stored > held else n * stored if stored < held else 0
+
+
 def _read_tensor(f: Any, shape: list, stored: np.dtype, dtype: np.dtype, nbytes: int, truncated: str,
-                 chunk_bytes: int = 64 << 20) -> np.ndarray:
+                 chunk_bytes: int = READ_CHUNK) -> np.ndarray:
     """The `nbytes` at f's position as a `shape` array held in `dtype`; RunError(`truncated`) where the file or
     the header's size falls short. A tensor stored wider than it is held (float32 weights read as bfloat16) is
     converted 64 MB at a time into its array: Gemma-3-1B's float32 embedding (1.2 GB) is never held whole
@@ -148,9 +180,10 @@ def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray],
             raise unused(folder, [name])
         layer = pending.setdefault(int(i), {})
         layer[rest] = x
+        del x  # the layer alone holds its tensors, so _block frees each one it has consumed
         if wanted <= layer.keys():
-            block = _block(pending.pop(int(i)), shape, folder)
-            params[f"block_{i}"] = map_leaves(place, block_transform(block) if block_transform else block)
+            del layer
+            params[f"block_{i}"] = _placed_block(pending.pop(int(i)), shape, folder, place, block_transform)
     for i in range(shape.n_layers):
         if f"block_{i}" not in params:
             missing = min(wanted - pending.get(i, {}).keys())
@@ -160,6 +193,17 @@ def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray],
         if key not in params:
             raise RunError(f"{folder}: the weights have no tensor {name}; is it a Llama/Mistral/Qwen2/Qwen3/Gemma3 checkpoint?")
     return params
+
+
+def _placed_block(tensors: dict, shape: ModelShape, folder: str, place: Callable[[np.ndarray], Any],
+                  block_transform: Callable[[dict], dict] | None) -> dict:
+    """One layer assembled, transformed and placed; no name outlives the call, so neither the layer as read
+    nor as assembled stays on the host beside the next one (it did: Mistral's 436 MB bf16 layer, read twice
+    over, 2026-11-27)."""
+    block = _block(tensors, shape, folder)
+    if block_transform is not None:
+        block = block_transform(block)
+    return map_leaves(place, block)
 
 
 def map_leaves(fn: Callable, tree: dict) -> dict:
