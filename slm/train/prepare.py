@@ -9,7 +9,6 @@ trains.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable
@@ -38,7 +37,6 @@ from slm.memory.fit import fit_candidates, smallest_setting
 from slm.memory.finetune import Finetune
 from slm.memory.host import available_host_mb, release_free_heap, total_ram_gb
 from slm.memory.preflight import MemoryPlan
-from slm.model.hf_config import attention_window
 from slm.model.matmul import default_matmul_precision
 from slm.model.sizing import (
     ModelShape,
@@ -55,11 +53,13 @@ from slm.train.config import (
     validate,
 )
 from slm.train.defaults import Choice, resolve_defaults
+from slm.train.init_from import init_read_mb, pretrained
 from slm.train.devices import (
     Processes,
     configure_cpu_devices,
     enable_compile_cache,
     init_distributed,
+    open_device_pools,
 )
 from slm.train.resume import check_process_count, resume_config, saved_process_count
 
@@ -279,40 +279,6 @@ def _inside_examples(data: TrainData, token: int) -> bool:
     return token in data.tokenizer.encode(prompt, add_special_tokens=False).ids[1:]
 
 
-def pretrained(c: Config, log: Log) -> tuple[ModelShape, str, str | None]:
-    """--init-from: (shape, local folder, the commit to pin in --init-revision) of a Hugging Face folder or hub
-    id, or of one of this trainer's runs. The weights are read later (load_init_weights), once the step is
-    planned and their layout known."""
-    from slm.io.hf_import import load_hf_folder, resolve_pretrained
-
-    folder, revision = resolve_pretrained(c.init_from, c.init_revision, log)
-    if os.path.isdir(os.path.join(folder, "checkpoints")):  # a run of this trainer
-        with open(os.path.join(folder, "config.json")) as f:
-            return ModelShape(**json.load(f)["model"]), folder, revision
-    shape, _, cfg = load_hf_folder(folder, weights=False)
-    window = attention_window(cfg)
-    if window is not None and c.seq_len > window:
-        raise ConfigError(f"--seq-len {c.seq_len}: {c.init_from} attends within a sliding window of {window} tokens "
-                          f"(config.json sliding_window), this trainer over the whole sequence; use --seq-len "
-                          f"{window} or less, where the two are the same")
-    return shape, folder, revision
-
-
-def load_init_weights(c: Config, data: TrainData, built: Any, log: Log) -> None:
-    """--init-from's weights into data.init_params (and their sha256), laid out as the run keeps them; not
-    on --resume of a full fine-tune (the checkpoint has them), always for LoRA (the base is not saved)."""
-    if not c.init_from or (c.resume and c.lora_rank is None):
-        return
-    from slm.train.builder import load_weights
-
-    t = time.time()
-    data.init_params, data.base_fingerprint, what = load_weights(built, data.init_folder)
-    release_free_heap()  # the tensors read and converted on the way: back to the OS, not kept beside the steps
-    # the shape's count: an nf4 leaf holds two weights a byte and a scale a block, so leaf sizes undercount
-    log(f"[init] {c.init_from}: {count_params(data.shape) / 1e6:.3f}M parameters loaded from {what} in "
-        f"{time.time() - t:.1f}s{f' as the frozen {c.base_dtype} base' if c.lora_rank else ''}")
-
-
 def finetune_of(c: Config) -> Finetune | None:
     """A LoRA run's memory terms (a frozen base in --base-dtype, adapters on --lora-targets); None otherwise."""
     return None if c.lora_rank is None else Finetune(c.lora_rank, tuple(lora_target_list(c.lora_targets)), c.base_dtype)
@@ -473,8 +439,9 @@ def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None)
     from slm.train.builder import compile_step
 
     compiled, compile_s, compiled_mb = compile_step(built)
-    release_free_heap()  # the compiler's freed memory: back to the OS, so the RSS measured next is the runtime's
     mesh = built.mesh
+    open_device_pools(mesh.devices.flat)  # a GPU allocator's host table, in the RSS measured next
+    release_free_heap()  # the compiler's freed memory: back to the OS, so the RSS measured next is the runtime's
     n_dev, platform = int(mesh.devices.size), mesh.devices.flat[0].platform
     lora = {} if c.lora_rank is None else {"model": data.shape, "lora_rank": c.lora_rank, "base_dtype": c.base_dtype,
                                            "lora_targets": lora_target_list(c.lora_targets)}
@@ -493,4 +460,5 @@ def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None)
         limit = stats["bytes_limit"] / 2**20 if "bytes_limit" in stats else None
     local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())  # this host's share
     return compiled, MemoryPlan(est, compiled_mb, compile_s, platform, n_dev, local, data.data_mb, limit, budget_mb,
-                                staging_alone_mb=alone, saves_beside_steps=saves_beside_steps(c))
+                                staging_alone_mb=alone, saves_beside_steps=saves_beside_steps(c),
+                                load_mb=init_read_mb(c, data))

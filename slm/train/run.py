@@ -33,25 +33,18 @@ from slm.io.atomic import write_json
 from slm.io.checkpoints import Checkpointer, is_disk_full
 from slm.io.metrics import MetricsLog
 from slm.io.tracking import Trackers
-from slm.memory.host import peak_rss_mb, release_free_heap
+from slm.memory.host import peak_rss_mb, release_free_heap, rss_mb
 from slm.memory.monitor import MemoryMonitor
 from slm.memory.preflight import MemoryPlan
 from slm.model.sizing import count_params, describe, flops_per_token, logit_columns
 from slm.optim.schedule import warmup_for
 from slm.train.config import Config, RunFacts
 from slm.train.devices import Processes
+from slm.train.init_from import load_init_weights
 from slm.train.interrupts import SignalWatcher, spend_stale_stop
 from slm.train.loop import Cadence, Callback, LoopPlan, RunState, Schedule, run_loop
 from slm.train.process_state import as_found
-from slm.train.prepare import (
-    TrainData,
-    load_init_weights,
-    make_output_dir,
-    plan_step,
-    settle_defaults,
-    settle_config,
-    setup_data,
-)
+from slm.train.prepare import TrainData, make_output_dir, plan_step, settle_config, settle_defaults, setup_data
 from slm.train.restore import branch_before_decay, check_base, replan, restore
 from slm.train.step import make_flush_step
 
@@ -134,7 +127,7 @@ def _run(c: Config, out: str, locks: list, start: float, log: Log, procs: Any, s
         c, chosen = settle_defaults(c, data, log)
         chunk_lever = any(choice.key == "loss_chunk" for choice in chosen)
         built, compiled, plan, c = plan_step(c, data, procs, log, chunk_lever)
-        sampler = sampler_in_preflight(c, data, built, log)
+        sampler = sampler_in_preflight(c, data, built, plan, log)
         load_init_weights(c, data, built, log)  # after the plan: read straight into their final layout
         handed = [compiled]  # _train's DeviceStep takes the only reference, so it can free it (for_epoch)
         del compiled
@@ -145,16 +138,20 @@ def _run(c: Config, out: str, locks: list, start: float, log: Log, procs: Any, s
 SAMPLER_AHEAD_ON = ("gpu",)  # the platforms whose compiles allocate on the device (XLA:GPU's autotuning)
 
 
-def sampler_in_preflight(c: Config, data: TrainData, built: Any, log: Log) -> Any:
-    """On a GPU, the eval sample's decoder compiled now, before anything is resident (sampler_ahead says why);
-    elsewhere None: the first eval compiles it."""
+def sampler_in_preflight(c: Config, data: TrainData, built: Any, plan: MemoryPlan, log: Log) -> Any:
+    """On a GPU, the eval sample's decoder compiled now, before anything is resident (sampler_ahead says why),
+    and the plan's runtime measured again after it (its programs stay); elsewhere None: the first eval
+    compiles it."""
     if built.mesh.devices.flat[0].platform not in SAMPLER_AHEAD_ON:
         return None
     from slm.train.evaluate import sampler_ahead
 
     t0 = time.time()
     decoder = sampler_ahead(built, sample_start(data.tokenizer, data.special), c.seq_len)
-    log(f"[eval] the sample's decoder compiled in {time.time() - t0:.1f} s, autotuned before the state is placed")
+    release_free_heap()
+    plan.base_rss_mb = rss_mb()
+    log(f"[eval] the sample's decoder compiled in {time.time() - t0:.1f} s, autotuned before the state is placed; "
+        f"host RSS now {plan.base_rss_mb:,.0f} MB, predicted peak {plan.estimated_peak_rss_mb:,.0f} MB")
     return decoder
 
 
