@@ -82,29 +82,37 @@ def _header(f: Any) -> tuple[int, dict]:
     return size, header
 
 
-def read_transient_mb(folder: str, held_itemsize: int, chunk_bytes: int = READ_CHUNK) -> float:
-    """What the host holds while load_hf_params reads the folder, beyond what it has placed (MB, from the
-    headers alone): the larger of the embedding/head as held plus its read buffer (_read_buffer), and twice
-    the largest layer as held (its tensors as read and as assembled: the bound while _block fuses them).
-    tracemalloc's peak on this CPU (2026-11-27): Gemma-3-1B's float32 read as bf16 640 MB (this: 640), two
-    Mistral-7B layers as bf16 752 MB (this: 834)."""
-    tops, layers = [0], {}
+def read_transient_mb(folder: str, held: np.dtype, chunk_bytes: int = READ_CHUNK) -> tuple[float, float]:
+    """(what the host holds while load_hf_params reads the folder beyond what it has placed, the largest layer
+    as held), MB, from the headers alone. The first is the larger of the embedding/head as held plus its read
+    buffer (_read_buffer) and twice the largest layer (its tensors as read and as assembled: the bound while
+    _block fuses them), plus one more layer where a layer's tensors span two files (it waits, half read, while
+    the next file's other layers are read). tracemalloc's peak on this CPU (2026-11-27): Gemma-3-1B's float32
+    read as bf16 640 MB (this: 640), two Mistral-7B layers as bf16 752 MB (this: 834)."""
+    import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
+
+    tops, layers, files_of = [0], {}, {}
     for path in weight_files(folder):
         with open(path, "rb") as f:
             for name, info in _header(f)[1].items():
-                n, stored = math.prod(info["shape"]), np.dtype(_DTYPES.get(info["dtype"], "float32")).itemsize
+                n, stored = math.prod(info["shape"]), np.dtype(_DTYPES.get(info["dtype"], "float32"))
                 if name in ("model.embed_tokens.weight", "lm_head.weight"):
-                    tops.append(n * held_itemsize + _read_buffer(n, stored, held_itemsize, chunk_bytes))
+                    tops.append(n * held.itemsize + _read_buffer(n, stored, held, chunk_bytes))
                 elif name.startswith("model.layers."):
                     i = name[len("model.layers."):].split(".", 1)[0]
-                    layers[i] = layers.get(i, 0) + n * held_itemsize
-    return max(max(tops), 2 * max(layers.values(), default=0)) / 2**20
+                    layers[i] = layers.get(i, 0) + n * held.itemsize
+                    files_of.setdefault(i, set()).add(path)
+    layer = max(layers.values(), default=0)
+    split = any(len(files) > 1 for files in files_of.values())
+    return max(max(tops), (3 if split else 2) * layer) / 2**20, layer / 2**20
 
 
-def _read_buffer(n: int, stored: int, held: int, chunk_bytes: int) -> int:
-    """Bytes _read_tensor holds beside a tensor of `n` values: one chunk when it narrows, the tensor as stored
-    when it widens, nothing when the two agree."""
-    return min(n * stored, chunk_bytes) if stored > held else n * stored if stored < held else 0
+def _read_buffer(n: int, stored: np.dtype, held: np.dtype, chunk_bytes: int) -> int:
+    """Bytes _read_tensor holds beside a tensor of `n` values held in `held`: one chunk when it narrows, the
+    tensor as stored when it converts otherwise (bf16 to float16 too), nothing when the two agree."""
+    if stored == held:
+        return 0
+    return min(n * stored.itemsize, chunk_bytes) if stored.itemsize > held.itemsize else n * stored.itemsize
 
 
 def _read_tensor(f: Any, shape: list, stored: np.dtype, dtype: np.dtype, nbytes: int, truncated: str,
@@ -157,7 +165,7 @@ def load_hf_params(folder: str, shape: ModelShape, place: Callable[[np.ndarray],
     """The model's params from the folder's safetensors, tensor by tensor: each layer is assembled (q/k/v and
     gate/up fused, kernels transposed) as soon as its tensors have been read, then (after `block_transform`,
     e.g. NF4 quantisation) handed to `place` (e.g. jax.device_put) and its pieces dropped, so the host holds
-    the placed params plus about one layer."""
+    the placed params plus about two layers (read_transient_mb)."""
     wanted = _layer_names(shape)
     V, D = shape.vocab_size, shape.d_model
     top = {"model.embed_tokens.weight": ("embed", (V, D)), "model.norm.weight": ("final_norm", (D,))}

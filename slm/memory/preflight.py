@@ -11,6 +11,12 @@ shown beside it but decides nothing unless it is far above the formula (a notebo
 its own): an RSS read moves by 100+ MB between runs, and a decision that hangs on it flips (issue 30: the
 same 20M command was refused once and fitted the next time).
 
+With --init-from the prediction is the larger of that and the weights' load: the runtime, the data, what
+the read holds beyond what it has placed (slm.io.hf_import.read_transient_mb) and on CPU the weights placed
+by then. On a GPU the runtime is the measured RSS (the formula has neither jax's CUDA client nor its
+allocator's host table, 1/32 of the pool: slm.train.devices.open_device_pools), read again after the
+sampler's pre-flight compile.
+
 The checkpoint staging counts in full when steps run beside an asynchronous save; when saves wait for their
 write (`checkpoint_sync`), or the run ends before its first save, only what the save's copy adds over the
 step's temporaries counts. `settle_sync` turns waiting saves on when that copy is what does not fit.
@@ -42,6 +48,7 @@ class MemoryPlan:
     saves_beside_steps: bool = True  # the run steps after a save (longer than --checkpoint-every, or time-bound)
     checkpoint_sync: bool = False  # saves wait for their write
     load_mb: float = 0.0  # --init-from: what reading the weights holds on the host beyond what it has placed
+    load_layer_mb: float = 0.0  # of which one layer, not yet placed while it is assembled
 
     @property
     def estimated_device_mb(self) -> float:
@@ -80,17 +87,18 @@ class MemoryPlan:
     @property
     def loading_rss_mb(self) -> float:
         """--init-from's peak RSS while its weights are read: runtime + data pipeline + the read's transient,
-        and on CPU the weights already placed (device memory is host memory there); 0 without --init-from."""
+        and on CPU the weights placed by then (device memory is host memory there: all but the layer being
+        assembled); 0 without --init-from."""
         if not self.load_mb:
             return 0.0
         e = self.estimate
-        placed = self.local_devices * e.get("base_params_mb", e["params_mb"]) if self.platform == "cpu" else 0.0
-        return self.runtime_mb + self.data_mb + placed + self.load_mb
+        placed = max(self.local_devices * e.get("base_params_mb", e["params_mb"]) - self.load_layer_mb, 0.0)
+        return self.runtime_mb + self.data_mb + self.load_mb + (placed if self.platform == "cpu" else 0.0)
 
     @property
     def estimated_peak_rss_mb(self) -> float:
         """The whole run's peak RSS: the steps', or the weights' load where that is higher (a GPU run of
-        Gemma-3-1B's float32 weights, whose 1.2 GB embedding is read while the card holds the rest)."""
+        Gemma-3-1B: its embedding read as bf16 beside a 64 MB float32 buffer, 640 MB on the host)."""
         return max(self.stepping_rss_mb, self.loading_rss_mb)
 
     @property
@@ -113,8 +121,9 @@ class MemoryPlan:
             return (f"this run needs ~{need:,.0f} MB of {what} but the {self.platform} has {self.limit_mb:,.0f} MB "
                     f"available")
         if self.budget_mb is not None and need > self.budget_mb:
-            return (f"--memory-budget {self.budget_mb:,.0f} MB: this run needs ~{need:,.0f} MB of {what} "
-                    f"(compiled step {self.compiled_device_mb:,.0f} MB/device x {self.devices})")
+            why = ("while its weights load" if self.loading_rss_mb > self.stepping_rss_mb and self.platform == "cpu"
+                   else f"compiled step {self.compiled_device_mb:,.0f} MB/device x {self.devices}")
+            return f"--memory-budget {self.budget_mb:,.0f} MB: this run needs ~{need:,.0f} MB of {what} ({why})"
         return None
 
     @property
@@ -123,6 +132,10 @@ class MemoryPlan:
         short = self.shortfall
         if short is None:
             return None
+        if self.platform == "cpu" and self.loading_rss_mb > self.stepping_rss_mb:
+            return (f"{short}; the weights' read is the peak: " + ("a lower --base-dtype (bfloat16 or nf4) holds "
+                    "less" if "base_params_mb" in self.estimate else "--lora-rank with a bfloat16 or nf4 base holds "
+                    "less"))
         if self.limit_mb is not None and self.predicted_peak_mb > self.limit_mb:
             return (f"{short}; try --use-8bit-optimizer, a smaller --batch-size with more "
                     f"--gradient-accumulation-steps, or --memory-budget {self.limit_mb * 0.9 / 1024:.1f}GB --auto-fit")
@@ -154,7 +167,7 @@ class MemoryPlan:
                 f"{self.runtime_mb:,.0f} (measured now {self.base_rss_mb:,.0f}) + data {self.data_mb:,.1f}"
                 + (f" + devices {self.devices_mb:,.0f}" if cpu else "")
                 + f" + step {self.slack_mb:,.0f} + checkpoint staging {self.staging_mb:,.0f}: {saves})"
-                + (f"; {self.loading_rss_mb:,.0f} MB while the weights load (reading {self.load_mb:,.0f} MB at a "
-                   f"time)" if self.load_mb else "")
+                + (f"; {self.loading_rss_mb:,.0f} MB while the weights load (the read holds {self.load_mb:,.0f} MB "
+                   f"beside what it has placed)" if self.load_mb else "")
                 + (f"; device memory {self.compiled_device_mb:,.0f} MB" if not cpu else "")
                 + (f"; available {self.limit_mb:,.0f} MB" if self.limit_mb else "")]

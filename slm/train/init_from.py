@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from slm.errors import ConfigError
 from slm.memory.host import release_free_heap
 from slm.model.hf_config import attention_window
@@ -44,17 +46,28 @@ def reads_init_weights(c: Config) -> bool:
     return bool(c.init_from) and not (c.resume and c.lora_rank is None)
 
 
-def init_read_mb(c: Config, data: Any) -> float:
-    """What reading --init-from's weights holds on the host beyond what is placed (MB; 0 when none are read):
-    a Hugging Face folder's from its headers (hf_import.read_transient_mb), a run of this trainer's whole
-    float32 params (its checkpoint is restored whole, then placed)."""
+def init_read_mb(c: Config, data: Any) -> tuple[float, float]:
+    """(what reading --init-from's weights holds on the host beyond what is placed, the part of it that one
+    layer is), MB; (0, 0) when none are read. A Hugging Face folder's from its headers
+    (hf_import.read_transient_mb), in the dtype the read holds them: float32 for a full fine-tune or a float32
+    base, float16 for a float16 base, bfloat16 for a bfloat16 or nf4 one (quantised after). A run of this
+    trainer's: its newest checkpoint's size on disk (restored whole, optimizer state included) and its params
+    in float32 (a LoRA run's base with the adapters folded in), both on the host before they are placed."""
     if not reads_init_weights(c) or data.init_folder is None:
-        return 0.0
-    if os.path.isdir(os.path.join(data.init_folder, "checkpoints")):
-        return count_params(data.shape) * 4 / 2**20
+        return 0.0, 0.0
+    ckpts = os.path.join(data.init_folder, "checkpoints")
+    if os.path.isdir(ckpts):
+        steps = [n for n in os.listdir(ckpts) if n.isdigit()]
+        newest = os.path.join(ckpts, max(steps, key=int)) if steps else ckpts
+        restored = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(newest) for f in fs)
+        return (restored + count_params(data.shape) * 4) / 2**20, 0.0
+    import ml_dtypes
+
     from slm.io.hf_import import read_transient_mb
 
-    return read_transient_mb(data.init_folder, 4 if c.lora_rank is None or c.base_dtype == "float32" else 2)
+    base = "float32" if c.lora_rank is None else c.base_dtype
+    held = {"float32": np.float32, "float16": np.float16}.get(base, ml_dtypes.bfloat16)
+    return read_transient_mb(data.init_folder, np.dtype(held))
 
 
 def load_init_weights(c: Config, data: Any, built: Any, log: Log) -> None:

@@ -53,7 +53,6 @@ from slm.train.config import (
     validate,
 )
 from slm.train.defaults import Choice, resolve_defaults
-from slm.train.init_from import init_read_mb, pretrained
 from slm.train.devices import (
     Processes,
     configure_cpu_devices,
@@ -61,6 +60,7 @@ from slm.train.devices import (
     init_distributed,
     open_device_pools,
 )
+from slm.train.init_from import init_read_mb, pretrained
 from slm.train.resume import check_process_count, resume_config, saved_process_count
 
 Log = Callable[[str], None]
@@ -459,6 +459,7 @@ def memory_plan(c: Config, built: Any, data: TrainData, budget_mb: float | None)
         stats = mesh.devices.flat[0].memory_stats() or {}
         limit = stats["bytes_limit"] / 2**20 if "bytes_limit" in stats else None
     local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())  # this host's share
+    load_mb, layer_mb = init_read_mb(c, data)
     return compiled, MemoryPlan(est, compiled_mb, compile_s, platform, n_dev, local, data.data_mb, limit, budget_mb,
                                 staging_alone_mb=alone, saves_beside_steps=saves_beside_steps(c),
-                                load_mb=init_read_mb(c, data))
+                                load_mb=load_mb, load_layer_mb=layer_mb)

@@ -264,12 +264,37 @@ def test_a_narrowed_read_never_holds_the_wide_tensor(tmp_path, monkeypatch):
     assert peak < 2048 * 4096 * 4, peak
 
 
-@pytest.mark.parametrize("vocab, held", [(512, np.float32), (512, "bfloat16"), (16384, "bfloat16")])
-def test_the_reads_transient_is_what_tracemalloc_sees(tmp_path, vocab, held):
+def _resave(folder, split: bool, stored) -> None:
+    """The folder's model.safetensors saved again in `stored`, or (`split`) as two shards with an index,
+    layer 2's MLP in the first and its attention in the second (read while layers 10 and 11 are)."""
+    import os
+
+    from safetensors.numpy import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    tensors = {k: v.astype(stored) for k, v in load_file(path).items()}
+    os.remove(path)
+    if not split:
+        return save_file(tensors, path)
+    first = {k for k in tensors if k == "model.embed_tokens.weight" or k.startswith(("model.layers.0.", "model.layers.1."))
+             or (k.startswith("model.layers.2.") and ".mlp." in k)}
+    shards = {"model-00001-of-00002.safetensors": first, "model-00002-of-00002.safetensors": set(tensors) - first}
+    for name, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, os.path.join(folder, name))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {k: name for name, keys in shards.items() for k in keys}}, f)
+
+
+@pytest.mark.parametrize("vocab, layers, stored, held, split", [
+    (512, 4, "float32", "float32", False), (512, 4, "float32", "bfloat16", False),  # layer-bound
+    (16384, 2, "float32", "bfloat16", False), (16384, 2, "bfloat16", "float16", False),  # embedding-bound
+    (512, 12, "float32", "float32", True)])  # a layer split over two shards
+def test_the_reads_transient_is_what_tracemalloc_sees(tmp_path, vocab, layers, stored, held, split):
     """read_transient_mb, from the headers alone, is what reading a folder holds beyond what it placed (here
     `place` drops every array), from tracemalloc's peak to 25% over it: layer-bound reads (vocab 512: 4 MB
-    float32 layers) and an embedding-bound one (vocab 16,384 read as bf16: the held head and its float32 read,
-    under one chunk). Before, a placed layer stayed referenced beside the next one: 10.7 MB against 7.5."""
+    float32 layers), embedding-bound ones (vocab 16,384: the held head and its read, under one chunk; bf16 to
+    float16 converts a whole copy), and a layer split over two shards, half of it held while the next file's
+    other layers are read. Before, a placed layer stayed referenced beside the next one (10.7 MB against 7.5)."""
     import tracemalloc
 
     import ml_dtypes
@@ -278,14 +303,15 @@ def test_the_reads_transient_is_what_tracemalloc_sees(tmp_path, vocab, held):
     from slm.model.sizing import ModelShape
     from slm.model.transformer import init_params
 
-    shape = ModelShape(vocab_size=vocab, n_layers=4, d_model=256, n_heads=4, d_ff=1024, n_kv_heads=2)
+    shape = ModelShape(vocab_size=vocab, n_layers=layers, d_model=256, n_heads=4, d_ff=1024, n_kv_heads=2)
     write_export(str(tmp_path), init_params(Transformer(shape), 0, 8), shape, 64)
-    dtype = np.dtype(ml_dtypes.bfloat16) if held == "bfloat16" else np.dtype(held)
+    as_numpy = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+    _resave(str(tmp_path), split, as_numpy[stored])
     tracemalloc.start()
     try:
-        load_hf_folder(str(tmp_path), place=lambda x: None, dtype=dtype)
+        load_hf_folder(str(tmp_path), place=lambda x: None, dtype=as_numpy[held])
         peak = tracemalloc.get_traced_memory()[1] / 2**20
     finally:
         tracemalloc.stop()
-    predicted = read_transient_mb(str(tmp_path), dtype.itemsize)
+    predicted, _ = read_transient_mb(str(tmp_path), as_numpy[held])
     assert 0.99 * peak <= predicted <= 1.25 * peak, (peak, predicted)

@@ -204,6 +204,23 @@ def test_preflight_peak_is_deterministic_whatever_rss_reads():
     assert gpu.predicted_peak_mb == 170.0
 
 
+def test_the_weights_load_is_the_peak_only_where_it_is_higher_and_a_refusal_then_says_so():
+    """--init-from: a read whose transient stays under the steps' leaves the prediction as it was; a larger one
+    becomes the peak (on CPU beside the weights placed by then, on a GPU without them), and a budget between
+    the two refuses naming the load, with a fix that reads less instead of the steps' levers."""
+    plain = _plan(base_rss_mb=450.0)
+    assert _plan(base_rss_mb=450.0, load_mb=1.0).estimated_peak_rss_mb == plain.estimated_peak_rss_mb
+    big = _plan(base_rss_mb=450.0, load_mb=5_000.0, load_layer_mb=1.0)
+    assert big.stepping_rss_mb == plain.estimated_peak_rss_mb < big.estimated_peak_rss_mb == big.loading_rss_mb
+    gpu = _plan(base_rss_mb=450.0, platform="gpu", load_mb=5_000.0, load_layer_mb=1.0)
+    assert gpu.loading_rss_mb < big.loading_rss_mb  # nothing placed on the host
+    assert f"{big.loading_rss_mb:,.0f} MB while the weights load" in big.describe()[1]
+    big.budget_mb = (big.stepping_rss_mb + big.loading_rss_mb) / 2
+    assert "while its weights load" in big.refusal and "the weights' read is the peak" in big.refusal
+    assert "--use-8bit-optimizer" not in big.refusal
+    assert big.record()["loading_rss_mb"] == round(big.loading_rss_mb, 1)
+
+
 def test_a_save_that_waits_is_chosen_only_when_the_copy_does_not_fit():
     plan = _plan(base_rss_mb=450.0, staging_alone_mb=0.0)
     full = plan.estimated_peak_rss_mb
