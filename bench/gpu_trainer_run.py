@@ -122,9 +122,13 @@ def read_json(path: str) -> dict:
 
 
 def compare(summary: dict, planned: dict | None) -> dict:
-    """The run's device figures beside the plan's programs (MB per device)."""
+    """The run's device figures beside the plan's programs (MB per device), and its host RSS beside pre-flight's
+    prediction (the last one it made: after the sampler's compile on a GPU)."""
     row = {k: summary.get(k) for k in ("peak_device_mb", "estimated_device_mb", "compiled_device_mb", "steps",
-                                       "eval_loss", "tokens_per_sec", "mfu", "compile_time_s", "wall_time_s")}
+                                       "eval_loss", "tokens_per_sec", "mfu", "compile_time_s", "wall_time_s",
+                                       "peak_rss_mb", "estimated_peak_rss_mb", "loading_rss_mb")}
+    if summary.get("peak_rss_mb") and summary.get("estimated_peak_rss_mb"):  # the host's side of the prediction
+        row["host_peak_over_prediction"] = round(summary["peak_rss_mb"] / summary["estimated_peak_rss_mb"], 3)
     if planned:
         row["plan"] = [{k: p.get(k) for k in ("program", "planned_mb", "xla_peak_mb", "device_mb", "fits")}
                        for p in planned["programs"]]
