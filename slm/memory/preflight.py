@@ -96,6 +96,11 @@ class MemoryPlan:
         return self.runtime_mb + self.data_mb + self.load_mb + (placed if self.platform == "cpu" else 0.0)
 
     @property
+    def load_is_peak(self) -> bool:
+        """On CPU, whether the weights' load and not the steps decides the peak (what a refusal then names)."""
+        return self.platform == "cpu" and self.loading_rss_mb > self.stepping_rss_mb
+
+    @property
     def estimated_peak_rss_mb(self) -> float:
         """The whole run's peak RSS: the steps', or the weights' load where that is higher (a GPU run of
         Gemma-3-1B: its embedding read as bf16 beside a 64 MB float32 buffer, 640 MB on the host)."""
@@ -121,7 +126,7 @@ class MemoryPlan:
             return (f"this run needs ~{need:,.0f} MB of {what} but the {self.platform} has {self.limit_mb:,.0f} MB "
                     f"available")
         if self.budget_mb is not None and need > self.budget_mb:
-            why = ("while its weights load" if self.loading_rss_mb > self.stepping_rss_mb and self.platform == "cpu"
+            why = ("while its weights load" if self.load_is_peak
                    else f"compiled step {self.compiled_device_mb:,.0f} MB/device x {self.devices}")
             return f"--memory-budget {self.budget_mb:,.0f} MB: this run needs ~{need:,.0f} MB of {what} ({why})"
         return None
@@ -132,7 +137,7 @@ class MemoryPlan:
         short = self.shortfall
         if short is None:
             return None
-        if self.platform == "cpu" and self.loading_rss_mb > self.stepping_rss_mb:
+        if self.load_is_peak:
             return (f"{short}; the weights' read is the peak: " + ("a lower --base-dtype (bfloat16 or nf4) holds "
                     "less" if "base_params_mb" in self.estimate else "--lora-rank with a bfloat16 or nf4 base holds "
                     "less"))

@@ -249,6 +249,12 @@ def place_base(built: Built, params: Any) -> Any:
     return jax.tree.map(put, params, built.base_sharding)
 
 
+def read_dtype(dtype: str) -> np.dtype:
+    """The dtype load_pretrained reads a Hugging Face folder's tensors in, for weights held in `dtype`: itself,
+    or bfloat16 for nf4 (what it holds of the rest; the kernels are quantized from it)."""
+    return np.dtype(jnp.dtype("bfloat16" if dtype == "nf4" else dtype))
+
+
 def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True,
                     sharding: Any = None) -> tuple[ModelShape, Any, str | None, str]:
     """(shape, params in `dtype` or None, sha256 of the weights as read, what they were) of a Hugging Face
@@ -259,8 +265,8 @@ def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True,
 
     from slm.model.nf4 import quantize_block, quantize_params
 
-    nf4 = dtype == "nf4"  # read in bfloat16 (what it holds of the rest), each block's kernels quantized as assembled
-    target = np.dtype(jnp.dtype("bfloat16" if nf4 else dtype))
+    nf4 = dtype == "nf4"  # each block's kernels quantized as assembled
+    target = read_dtype(dtype)
     digest = hashlib.sha256()
 
     def place(x: np.ndarray) -> Any:

@@ -10,8 +10,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from slm.errors import ConfigError
 from slm.memory.host import release_free_heap
 from slm.model.hf_config import attention_window
@@ -49,8 +47,7 @@ def reads_init_weights(c: Config) -> bool:
 def init_read_mb(c: Config, data: Any) -> tuple[float, float]:
     """(what reading --init-from's weights holds on the host beyond what is placed, the part of it that one
     layer is), MB; (0, 0) when none are read. A Hugging Face folder's from its headers
-    (hf_import.read_transient_mb), in the dtype the read holds them: float32 for a full fine-tune or a float32
-    base, float16 for a float16 base, bfloat16 for a bfloat16 or nf4 one (quantised after). A run of this
+    (hf_import.read_transient_mb), in the dtype load_weights reads them in (builder.read_dtype). A run of this
     trainer's: its newest checkpoint's size on disk (restored whole, optimizer state included) and its params
     in float32 (a LoRA run's base with the adapters folded in), both on the host before they are placed."""
     if not reads_init_weights(c) or data.init_folder is None:
@@ -61,13 +58,10 @@ def init_read_mb(c: Config, data: Any) -> tuple[float, float]:
         newest = os.path.join(ckpts, max(steps, key=int)) if steps else ckpts
         restored = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(newest) for f in fs)
         return (restored + count_params(data.shape) * 4) / 2**20, 0.0
-    import ml_dtypes
-
     from slm.io.hf_import import read_transient_mb
+    from slm.train.builder import read_dtype
 
-    base = "float32" if c.lora_rank is None else c.base_dtype
-    held = {"float32": np.float32, "float16": np.float16}.get(base, ml_dtypes.bfloat16)
-    return read_transient_mb(data.init_folder, np.dtype(held))
+    return read_transient_mb(data.init_folder, read_dtype("float32" if c.lora_rank is None else c.base_dtype))
 
 
 def load_init_weights(c: Config, data: Any, built: Any, log: Log) -> None:
