@@ -13,7 +13,8 @@
 runtime term (the CUDA context, which XLA's buffers do not hold). From scratch at 1M/10M/100M/350M/1B x seq
 512/2048 (8 sequences a device, bf16 compute, the default optimizer), and LoRA r16 on q_proj,v_proj with a
 bf16 base, QLoRA (nf4 base) and full fine-tunes (Muon) of every config.json in ../shared/models (1 sequence of
-512 a device, remat, bf16 compute). On a several-device target, runs whose state does not fit one device are
+512 a device, remat, bf16 compute), and with --rows lora-default LoRA at the flags' defaults (a float32 base
+and products, no remat). On a several-device target, runs whose state does not fit one device are
 FSDP. Prints a markdown table; the goal is within +-10% on every row.
 
 `device-plan` / `device` / `device-compare`: --plan-for's compile-only figures against a real GPU. Each row
@@ -74,6 +75,9 @@ def rows(kinds: list[str], models: list[str]) -> list[tuple[str, dict]]:
         folder = os.path.join(MODELS, m)
         if "lora" in kinds:
             out.append((f"{m} LoRA r16 q,v bf16 base", dict(init_from=folder, lora_rank=16, base_dtype="bfloat16", **ft)))
+        if "lora-default" in kinds:  # the flags' defaults on a GPU: float32 base and products, no remat
+            out.append((f"{m} LoRA r16 q,v float32, no remat", dict(init_from=folder, lora_rank=16, seq_len=512,
+                                                                    batch_size=1, use_mixed_precision=False)))
         if "qlora" in kinds:
             out.append((f"{m} QLoRA r16 q,v nf4 base", dict(init_from=folder, lora_rank=16, base_dtype="nf4", **ft)))
         if "full" in kinds:
@@ -104,7 +108,7 @@ def sweep(a: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|")
     worst = (0.0, "")
     for name, kw in rows(a.rows.split(","), a.models.split(",")):
-        c = Config(use_streaming=True, plan_for=target.name, use_mixed_precision=True, **kw)
+        c = Config(**{"use_streaming": True, "plan_for": target.name, "use_mixed_precision": True, **kw})
         c = dataclasses.replace(c, batch_size=c.batch_size * target.count)
         shape = plan_shape(c)
         c = resolved_for(c, shape, target.platform)

@@ -66,7 +66,7 @@ def test_model_and_optim_know_no_files_or_flags():
 
 
 @pytest.mark.parametrize("module", ["slm.data.stream", "slm.data.heldout", "slm.memory.estimate",
-                                    "slm.memory.preflight", "slm.memory.monitor", "slm.model.sizing",
+                                    "slm.memory.preflight", "slm.memory.monitor", "slm.memory.gpu_host", "slm.model.sizing",
                                     "streaming_data_loader", "model_sizing", "hf_dataset_loader"])
 def test_data_and_memory_arithmetic_import_no_jax(module):
     code = f"import sys, {module}; assert 'jax' not in sys.modules, 'jax imported'"

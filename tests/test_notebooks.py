@@ -73,15 +73,16 @@ def assert_png(path) -> None:
 @pytest.mark.slow  # section 4 compiles Mistral-7B's step for an A10G six times and more (~8 min on 2 cores)
 def test_plan_before_you_train(tmp_path):
     nb, text = execute("plan_before_you_train", tmp_path)
-    # Seed 002: its first settings do not fit a 24 GB GPU (it ran out of memory); fit_to_budget's plan does.
+    # Seed 002: its first settings do not fit what jax gives programs on a 24 GB GPU (75%; the seed ran out of
+    # memory); fit_to_budget's plan does.
     first = re.search(r"seed 002 first settings on a 24GB GPU: ([\d,]+) MB -> (.+)", text)
     assert first, text
-    assert float(first[1].replace(",", "")) > 24 * 1024 and first[2] == "does not fit", first[0]
+    assert float(first[1].replace(",", "")) > 0.75 * 24 * 1024 and first[2] == "does not fit", first[0]
     plan = re.search(r"fit_to_budget's plan: micro-batch (\d+) x accumulation (\d+), .*: ([\d,]+) MB -> "
                      r"(fits \(10% margin\)|fits|does not fit)", text)
     assert plan, text
     assert int(plan[1]) * int(plan[2]) == 16, plan[0]  # the seed's effective batch, kept
-    assert float(plan[3].replace(",", "")) <= 0.9 * 24 * 1024 and plan[4] == "fits (10% margin)", plan[0]
+    assert float(plan[3].replace(",", "")) <= 0.9 * 0.75 * 24 * 1024 and plan[4] == "fits (10% margin)", plan[0]
     assert "| fit_to_budget from first | " in text  # the seed 002 table
     assert pngs(nb, "fig.savefig") == 1
     assert_png(tmp_path / "plan_memory.png")

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from slm.errors import RunError
+from slm.memory.gpu_host import READ_CHUNK, read_buffer_bytes
 from slm.model import hf_config
 from slm.model.sizing import ModelShape
 
@@ -49,7 +50,6 @@ def weight_files(folder: str) -> list[str]:
 
 
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-READ_CHUNK = 64 << 20  # bytes: a tensor stored wider than it is held is converted this much at a time
 
 
 def _tensors(files: list[str], dtype: Any = np.float32) -> Iterator[tuple[str, np.ndarray]]:
@@ -108,11 +108,8 @@ def read_transient_mb(folder: str, held: np.dtype, chunk_bytes: int = READ_CHUNK
 
 
 def _read_buffer(n: int, stored: np.dtype, held: np.dtype, chunk_bytes: int) -> int:
-    """Bytes _read_tensor holds beside a tensor of `n` values held in `held`: one chunk when it narrows, the
-    tensor as stored when it converts otherwise (bf16 to float16 too), nothing when the two agree."""
-    if stored == held:
-        return 0
-    return min(n * stored.itemsize, chunk_bytes) if stored.itemsize > held.itemsize else n * stored.itemsize
+    """Bytes _read_tensor holds beside a tensor of `n` values held in `held` (slm.memory.gpu_host's rule)."""
+    return read_buffer_bytes(n, stored.itemsize, held.itemsize, chunk_bytes, same=stored == held)
 
 
 def _read_tensor(f: Any, shape: list, stored: np.dtype, dtype: np.dtype, nbytes: int, truncated: str,

@@ -142,6 +142,10 @@ MUON_UPDATE_TEMPS = {False: 2.8, True: 1.85}
 # XLA:GPU fuses Newton-Schulz's elementwise steps: 1.92 matrix-sized temporaries (float32 momentum), read from the
 # H100 step of a 350M model at seq 512, where the update is the peak (bench/plan_for_xla.py sweep); 8-bit: CPU's.
 GPU_MUON_UPDATE_TEMPS = {False: 1.92, True: MUON_UPDATE_TEMPS[True]}
+# XLA:GPU fuses AdamW's float32 update into one pass over each parameter: no parameter-sized temporaries (full
+# fine-tunes of 5 configs compiled for an H100, bench/plan_for_xla.py sweep --rows full, 2026-11-27: XLA's peak
+# 0.96-0.99x the 16 bytes a parameter of params, gradients and moments); 8-bit: CPU's (not measured).
+GPU_ADAMW_UPDATE_TEMPS = {False: 0.0, True: UPDATE_TEMPS[True]}
 
 # Host RSS terms (MB), fitted to 24 trainer runs (module docstring). Post-compile RSS after the heap's trim:
 # float32 4/9/15/20 layers 387-394/415-429/451-486/488-517; 8-bit adds 15-80 (1M-100M params).
@@ -232,7 +236,8 @@ def update_bytes(shape: ModelShape, trained: int, use_8bit: bool, optimizer: str
     (slm.optim.muon: 50M params on 2 devices, XLA 1,221 MB/device, this 1,220; on one 1,464 and 1,469)."""
     hidden = sum(a * b for a, b in hidden_matrix_shapes(shape)) if optimizer == "muon" else 0
     muon = (GPU_MUON_UPDATE_TEMPS if platform == "gpu" else MUON_UPDATE_TEMPS)[use_8bit]
-    return int(4 * (UPDATE_TEMPS[use_8bit] * trained + muon * hidden / max(shared, 1)))
+    temps = GPU_ADAMW_UPDATE_TEMPS[use_8bit] if platform == "gpu" and optimizer == "adamw" else UPDATE_TEMPS[use_8bit]
+    return int(4 * (temps * trained + muon * hidden / max(shared, 1)))
 
 
 class MemoryEstimate(dict):

@@ -23,13 +23,16 @@ Base casts: the model casts each weight to the compute dtype per matmul (bfloat1
 else float32), and JAX's autodiff keeps that cast as the residual the backward's input gradient needs.
 On XLA:CPU every bfloat16/float16 dot runs in float32 (bf16 is emulated), so a base that is not float32,
 or any base under mixed precision, gets float32 copies of all its matmul weights, held for the whole
-step, remat or not (CAST_CPU, fitted). On an accelerator (assumed, not measured: no GPU here) only a
+step, remat or not (CAST_CPU, fitted). On a GPU, XLA:GPU's own compile decides (LORA_ACCEL_CASTS, fitted to
+its buffer assignment): a 16-bit base keeps about one kernel's copy at a time, a float32 base under mixed
+precision most of its bf16 blocks, an nf4 base one kernel dequantised. On a TPU (assumed, not fitted) only a
 base whose dtype differs from the compute dtype is cast: all layers' copies are held without remat, one
 layer's with it (a block's casts are recomputed in its backward), and the head's copy always.
 
 Gradient checkpointing on an accelerator is modelled as it is meant to work: each block's input kept
 (D x compute bytes per token per layer) plus one block's activations while it is recomputed. XLA:CPU
-keeps recomputed activations live (docs/memory.md), so on CPU the fitted remat coefficients apply.
+keeps recomputed activations live (docs/memory.md), so on CPU the fitted remat coefficients apply. On a
+GPU the activations' terms are XLA:GPU's own (LORA_ACCEL_COEFFICIENTS), on a TPU still XLA:CPU's.
 On an accelerator GPU_RUNTIME_MB is added to the device total.
 
 An nf4 base is dequantised per matmul and again for its backward (slm.model.nf4.nf4_linear), so no block
@@ -92,6 +95,25 @@ QK_NORM_BYTES = 14.0
 # at float32 with SwiGLU: the norms; under mixed precision GeGLU's). Without it the full-depth Gemma-3-1B
 # estimate was -11..-13% of XLA's (2026-11-27).
 GEMMA_BLOCK_BYTES = {4: (19.7, 3.4), 2: (10.0, 3.6)}
+# LoRA on a GPU: (a, b, c, e, t, k) as estimate.ACCEL_COEFFICIENTS (without remat per layer and token; with it
+# one block's, beside every other block's input), keyed (remat, mixed precision); and the base's copies in the
+# compute dtype (LORA_ACCEL_CASTS: kernels, blocks of a 16-bit base; kernels, blocks of a float32 one; nf4
+# kernels): a float base whose dtype is not the compute dtype as its largest kernel and its blocks (every layer's,
+# one with remat), an nf4 base as its largest kernel dequantised. Fitted to XLA:GPU's buffer assignment for a
+# compile-only H100 (bench/lora_fit_accel.py, 2026-11-27, jax 0.10.2: 4 shapes x 2/4 layers x float32/bf16/nf4
+# bases, float16 on two, x seq 512 x 1 / 1,024 x 2: 56 compiles a key; worst error 6.6%, 6.4%, 6.8%, and 13.7%
+# with remat under mixed precision, where an nf4 kernel's dequantisation overlaps the activations' peak on some
+# shapes and not others). XLA:GPU fuses most casts into the matmuls (it keeps the narrowing float32-to-bf16
+# copies, not a 16-bit base's) and runs the backward on far fewer temporaries than XLA:CPU: LORA_COEFFICIENTS'
+# figures had been +0% .. +401% over its peak.
+LORA_ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] = {
+    "gpu": {(False, False): (52.85, 7.40, 0.824, 6.50, 0.0, 5.7 * 2**20),
+            (False, True): (15.75, 3.94, 0.0, 5.52, 0.0, 8.9 * 2**20),
+            (True, False): (43.35, 17.15, 1.490, 0.88, 0.0, 4.9 * 2**20),
+            (True, True): (25.27, 0.96, 0.0, 5.16, 0.0, 0.0)},
+}
+LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70), (False, True): (0.39, 0.0, 0.50, 0.87, 0.66),
+                            (True, False): (0.15, 0.0, 0.0, 0.0, 0.93), (True, True): (0.0, 0.17, 0.0, 0.67, 0.90)}}
 # With an nf4 base XLA:CPU holds 0.82-0.99x the activations the coefficients give (5 shapes at 2 and 4 layers:
 # smollm2 0.82, qwen2.5 0.85, llama-3.2-1b 0.98, tinyllama 0.99); the middle of that range.
 NF4_ACTIVATIONS = 0.9
@@ -179,6 +201,18 @@ def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, r
     loss (--loss-chunk) casts the head a chunk at a time, inside its loop (slm.model.loss.rows_in_loop): no
     copy of the whole head."""
     block, head = matmul_weights(shape)
+    compute = "bfloat16" if mixed_precision else "float32"
+    if platform in LORA_ACCEL_CASTS:  # the target compiler's own fit (LORA_ACCEL_CASTS)
+        k16, b16, k32, b32, nf4_kernels = LORA_ACCEL_CASTS[platform][(remat, mixed_precision)]
+        cast = base_dtype not in ("nf4", compute)
+        kernels, blocks = (k32, b32) if base_dtype == "float32" else (k16, b16)
+        held = "bfloat16" if base_dtype == "nf4" else base_dtype  # nf4 keeps its embedding and head in bf16
+        # a head wider than the loss's chunk is cast a chunk at a time; an unchunked one whole (not measured: every
+        # fitted vocabulary is chunked on a GPU)
+        whole_head = head if held != compute and not chunked_loss else 0
+        copies = (cast * (kernels * largest_kernel(shape) + blocks * (1 if remat else shape.n_layers) * block)
+                  + (base_dtype == "nf4") * nf4_kernels * largest_kernel(shape))
+        return int(DTYPE_BYTES[compute] * (copies + whole_head))
     if base_dtype == "nf4":  # the head as a bfloat16 base's, and one block kernel dequantised at a time
         return base_cast_bytes(replace(shape, n_layers=0), "bfloat16", mixed_precision,
                                remat, platform, chunked_loss) + int(NF4_TRANSIENT * (2 if mixed_precision else 4)
@@ -191,7 +225,6 @@ def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, r
         head_rounding = 2 * head if mixed_precision and base_dtype != "bfloat16" else 0
         return int(CAST_CPU * 4 * (shape.n_layers * block + head)) + head_rounding
     head = 0 if chunked_loss else head
-    compute = "bfloat16" if mixed_precision else "float32"
     if base_dtype == compute:
         return 0
     return DTYPE_BYTES[compute] * ((1 if remat else shape.n_layers) * block + head)
@@ -211,7 +244,9 @@ def backward_bytes(shape: ModelShape, tokens: int, seq_len: int, coefficients: t
     fixed += t * tokens * H * attention_block(seq_len)
     # Chunked, XLA:CPU keeps ~64 bytes per token per unit of D beyond the chunk's logits (the loop's float32
     # dx carry and its operands): fitted to 5 shapes, 1M-30M params, vocab 2,048-32,000 (docs/memory.md).
-    logits = tokens * (V * e + (CHUNKED_BYTES_PER_D * D if V < shape.vocab_size else 0))
+    # XLA:GPU's loop keeps nothing the fitted terms do not (LORA_ACCEL_COEFFICIENTS' fit with it: worst 17%, 9% without).
+    loop = CHUNKED_BYTES_PER_D * D if V < shape.vocab_size and platform == "cpu" else 0
+    logits = tokens * (V * e + loop)
     qk = QK_NORM_BYTES * (H + shape.kv_heads) * shape.head_dim if shape.qk_norm else 0  # Qwen3's q/k norms
     # Blocked causal attention's scores per query (slm.model.attention); a GPU's figures were fitted and checked
     # on a real card with the whole square (its bf16 step runs cuDNN's, which keeps none): kept as they were.
@@ -235,11 +270,14 @@ def lora_breakdown(shape: ModelShape, ft: Finetune, seq_len: int, micro_batch: i
     acc = 4 * n + 8 if accumulation > 1 else 0
     remat = bool(gradient_checkpointing)
     ideal = remat and platform != "cpu"
-    activations, logits = backward_bytes(
-        shape, micro_batch * seq_len, seq_len, LORA_COEFFICIENTS[(remat and not ideal, bool(mixed_precision))],
-        LORA_COEFFICIENTS[(False, bool(mixed_precision))] if ideal else None, 2 if mixed_precision else 4, loss_chunk,
-        platform)
-    if ft.base_dtype == "nf4":
+    coefficients = LORA_COEFFICIENTS[(remat and not ideal, bool(mixed_precision))]
+    layer = LORA_COEFFICIENTS[(False, bool(mixed_precision))] if ideal else None
+    if platform in LORA_ACCEL_COEFFICIENTS:  # the target compiler's own fit (remat: one block recomputed)
+        coefficients = LORA_ACCEL_COEFFICIENTS[platform][(remat, bool(mixed_precision))]
+        layer = coefficients if remat else None
+    activations, logits = backward_bytes(shape, micro_batch * seq_len, seq_len, coefficients, layer,
+                                         2 if mixed_precision else 4, loss_chunk, platform)
+    if ft.base_dtype == "nf4" and platform not in LORA_ACCEL_COEFFICIENTS:  # XLA:CPU's nf4 step (NF4_ACTIVATIONS)
         activations = int(NF4_ACTIVATIONS * activations)
     return {
         "base_params": base_param_bytes(shape, ft.base_dtype),

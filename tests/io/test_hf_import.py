@@ -315,3 +315,8 @@ def test_the_reads_transient_is_what_tracemalloc_sees(tmp_path, vocab, layers, s
         tracemalloc.stop()
     predicted, _ = read_transient_mb(str(tmp_path), as_numpy[held])
     assert 0.99 * peak <= predicted <= 1.25 * peak, (peak, predicted)
+    if not split:  # --plan-for's figure, from the shape and config.json's dtype alone (no shards known)
+        from slm.memory.gpu_host import load_transient_bytes
+
+        from_shape = load_transient_bytes(shape, stored, held) / 2**20
+        assert 0.99 * peak <= from_shape <= 1.25 * peak, (peak, from_shape)

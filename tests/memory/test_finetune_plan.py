@@ -37,11 +37,13 @@ def test_seed_002_final_settings_fit_24gb_and_first_settings_do_not():
     final = estimate_memory_usage(0, 256, 1, model=MISTRAL, **FINAL)
     assert final["device_total_mb"] < 0.9 * GPU_24GB  # fits with the 10% margin --auto-fit keeps
     assert final["runtime_mb"] == GPU_RUNTIME_MB and final["base_casts_mb"] < 1024  # remat: one layer's casts
+    # XLA:GPU's own compile of the first settings for an A10G (docs/memory.md, "Seed 002, answered by XLA:GPU"):
+    # 18,175 MB, and 17,647 with a bf16 base (no cast copies), both over the 17,271 MB jax gives a program there.
     first = estimate_memory_usage(0, 512, 2, model=MISTRAL, **FIRST)
-    assert first["device_total_mb"] > GPU_24GB + 4 * 1024  # several GB over a 24 GB GPU
-    # Like for like with the seed's fp16-weights-in-fp16-compute run: a bf16 base needs no cast copies.
+    assert first["device_total_mb"] - GPU_RUNTIME_MB == pytest.approx(18_175, rel=0.1)
     bf16 = estimate_memory_usage(0, 512, 2, model=MISTRAL, **{**FIRST, "base_dtype": "bfloat16"})
-    assert bf16["base_casts_mb"] == 0 and GPU_24GB + 2 * 1024 < bf16["device_total_mb"] < first["device_total_mb"]
+    assert bf16["base_casts_mb"] == 0 and bf16["device_total_mb"] < first["device_total_mb"]
+    assert bf16["device_total_mb"] - GPU_RUNTIME_MB == pytest.approx(17_647, rel=0.1)
 
 
 def test_seed_002_final_settings_with_an_nf4_base_plan_under_7gb():
@@ -115,9 +117,10 @@ def test_base_casts_follow_the_compute_dtype():
 
     assert e(base_dtype="bfloat16", mixed_precision=True, platform="gpu") == 0  # bf16 weights, bf16 matmuls
     assert e(base_dtype="float32", platform="gpu") == 0
+    # XLA:GPU (bench/lora_fit_accel.py's compiles): a 16-bit base's casts fuse into its matmuls (about a kernel's
+    # copy at a time, remat or not); a float32 base narrowed to bf16 keeps most of every block without remat.
     no_remat = e(base_dtype="float16", mixed_precision=True, platform="gpu")
-    remat = e(base_dtype="float16", mixed_precision=True, platform="gpu", gradient_checkpointing=True)
-    assert no_remat > 12 * remat  # every layer's bf16 copy without remat, one layer's (+ the head's) with it
+    assert no_remat < 0.05 * e(base_dtype="float32", mixed_precision=True, platform="gpu")
     # XLA:CPU runs bf16 dots in float32: float32 copies of the whole base, remat or not (fitted).
     assert e(base_dtype="bfloat16") == e(base_dtype="bfloat16", gradient_checkpointing=True) > 2 * no_remat * 0.9
 

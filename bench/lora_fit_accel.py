@@ -1,0 +1,159 @@
+"""The LoRA step's activation coefficients for a GPU target, fitted to XLA:GPU's own buffer assignment, from this CPU.
+
+    .venv/bin/python bench/lora_fit_accel.py collect --out bench/out/lora_gpu.jsonl     # ~190 compiles, ~40 min
+    .venv/bin/python bench/lora_fit_accel.py fit bench/out/lora_gpu.jsonl [--verbose]
+
+`collect`: the trainer's LoRA train step (r16 on q_proj,v_proj, AdamW; slm.train.builder) compiled for one
+compile-only device of the target (--plan-for's, slm.train.aot) at SmolLM2-135M's, Qwen2.5-0.5B's, TinyLlama's
+and Mistral-7B's shapes cut to 2 and 4 layers, float32, bfloat16 and nf4 bases, seq 512 x 1 and 1,024 x 2, each
+of (remat, mixed precision): one JSON line per compile with XLA's peak and the estimate's parts. A file already
+holding some lines is continued.
+
+`fit`: per (remat, mixed precision), what XLA holds beyond the state (base, adapters, their gradients and AdamW
+moments: exact) against the columns of slm.memory.finetune.backward_bytes' accelerator path: without remat
+tokens x layers x (D, F, H x S), with remat one block's (every other block's input, D x compute bytes a token,
+known), then tokens x logit columns (XLA:CPU's loop beyond them, CHUNKED_BYTES_PER_D, is not
+XLA:GPU's: with it as known the worst error doubles), a constant, and the base's casts: a float base whose dtype
+is not the compute dtype as its largest kernel and as its blocks (every layer's, one with remat) in the compute
+dtype (a 16-bit base's and a float32 one's apart: XLA keeps more of the narrowing cast), an nf4 base as its
+largest kernel dequantised. Relative least squares, non-negative; prints the coefficients (a, b, c, e, 0, k), the
+casts' (16-bit kernels, blocks, float32 kernels, blocks, nf4 kernels) and the worst error on the peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "models")
+FIT_MODELS = ("smollm2-135m", "qwen2.5-0.5b", "tinyllama-1.1b", "mistral-7b-v0.1")
+FIT_TOKENS = ((1, 512), (2, 1024))  # micro-batch, seq
+SETTINGS = ((False, False), (False, True), (True, False), (True, True))  # remat, mixed precision
+MB = 2**20
+
+
+def collect(a: argparse.Namespace) -> None:
+    from slm.train.devices import import_jax_quietly, start_backend
+
+    import_jax_quietly()
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from slm.memory.estimate import device_breakdown
+    from slm.memory.finetune import Finetune, model_shape
+    from slm.memory.targets import load_target
+    from slm.model.lora import LoraSpec
+    from slm.train.aot import compile_only, target_devices
+    from slm.train.builder import StepSpec, build, compile_step, compiled_peak
+
+    start_backend()
+    target = load_target(a.target)
+    mesh = Mesh(np.array(target_devices(target)[:1]), ("data",))
+    done = set()
+    if os.path.exists(a.out):
+        with open(a.out) as f:
+            done = {key(json.loads(line)) for line in f}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "a") as out:
+        for m in a.models.split(","):
+            full = model_shape(os.path.join(MODELS, m))
+            for L in (2, 4):
+                shape = dataclasses.replace(full, n_layers=L)
+                for dtype in a.dtypes.split(","):
+                    for remat, mixed in SETTINGS:
+                        for B, S in FIT_TOKENS:
+                            rec = dict(model=m, L=L, D=shape.d_model, F=shape.d_ff, H=shape.n_heads,
+                                       KV=shape.kv_heads, hd=shape.head_dim, V=shape.vocab_size, dtype=dtype,
+                                       remat=remat, mixed=mixed, B=B, S=S, target=target.name)
+                            if key(rec) in done:
+                                continue
+                            spec = StepSpec(shape, S, B, 1, mixed, remat, optimizer="adamw", base_dtype=dtype,
+                                            lora=LoraSpec(16, 32.0, 0.0, ("q_proj", "v_proj")), platform=target.platform)
+                            t = time.time()
+                            with compile_only():
+                                rec["xla"] = compiled_peak(compile_step(build(spec, mesh))[0])
+                            rec["est"] = device_breakdown(shape, S, B, mixed_precision=mixed, gradient_checkpointing=remat,
+                                                          finetune=Finetune(16, ("q_proj", "v_proj"), dtype),
+                                                          platform=target.platform)
+                            out.write(json.dumps(rec) + "\n")
+                            out.flush()
+                            print(f"{m} L{L} {dtype} remat {remat} mixed {mixed} {B}x{S}: XLA {rec['xla'] / MB:,.0f} MB "
+                                  f"({time.time() - t:.0f} s)", flush=True)
+
+
+def key(r: dict) -> tuple:
+    return r["model"], r["L"], r["dtype"], r["remat"], r["mixed"], r["B"], r["S"]
+
+
+def columns(r: dict) -> tuple[list[float], float]:
+    """(the fitted columns, the known part) of one compile: backward_bytes' accelerator path, then the base's
+    casts (module docstring)."""
+    from slm.model.sizing import logit_columns
+
+    T, L, D, F, H, S = r["B"] * r["S"], r["L"], r["D"], r["F"], r["H"], r["S"]
+    cb = 2 if r["mixed"] else 4
+    q, qkv = H * r["hd"], (H + 2 * r["KV"]) * r["hd"]
+    block, kernel = D * qkv + q * D + 3 * D * F, max(D * qkv, q * D, 2 * D * F, F * D)
+    cast = r["dtype"] not in ("nf4", "bfloat16" if r["mixed"] else "float32")  # a float base cast to the compute dtype
+    wide, nf4, layers = r["dtype"] == "float32", r["dtype"] == "nf4", 1 if r["remat"] else L
+    casts = [cast * (not wide) * kernel * cb, cast * (not wide) * block * cb * layers,  # a 16-bit base's
+             cast * wide * kernel * cb, cast * wide * block * cb * layers, nf4 * kernel * cb]  # a float32's, nf4's
+    V = logit_columns(r["V"], None, "gpu")
+    if r["remat"]:
+        return [T * D, T * F, T * H * S, T * V, 1.0, *casts], T * (L - 1) * D * cb
+    return [T * L * D, T * L * F, T * L * H * S, T * V, 1.0, *casts], 0.0
+
+
+def state(r: dict) -> int:
+    e = r["est"]
+    return e["base_params"] + e["params"] + e["gradients"] + e["optimizer_state"] + e["accumulation"]
+
+
+def fit(a: argparse.Namespace) -> None:
+    import numpy as np
+    from plan_for_xla import relative_nnls  # bench/, beside this script
+
+    with open(a.data) as f:
+        recs = [json.loads(line) for line in f]
+    for remat, mixed in SETTINGS:
+        rs = [r for r in recs if r["remat"] == remat and r["mixed"] == mixed]
+        if not rs:
+            continue
+        X = np.array([columns(r)[0] for r in rs])
+        known = np.array([columns(r)[1] + state(r) for r in rs])
+        xla = np.array([r["xla"] for r in rs], float)
+        coef = relative_nnls(X, xla - known)
+        err = (X @ coef + known) / xla - 1
+        today = np.array([(r["est"]["total"] - r["est"].get("runtime", 0)) / r["xla"] - 1 for r in rs])
+        a_, b_, c_, e_, k_ = coef[:5]
+        print(f"({remat}, {mixed}): ({a_:.2f}, {b_:.2f}, {c_:.3f}, {e_:.2f}, 0.0, {k_ / MB:.1f} * MB), casts "
+              f"({', '.join(f'{x:.2f}' for x in coef[5:])}); worst {np.abs(err).max() * 100:.1f}% over {len(rs)} (the "
+              f"estimate in the file: {today.min() * 100:+.0f}% .. {today.max() * 100:+.0f}%)", flush=True)
+        if a.verbose:
+            for r, e in zip(rs, err):
+                print(f"   {r['model']} L{r['L']} {r['dtype']} {r['B']}x{r['S']}: {e * 100:+.1f}%")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    c = sub.add_parser("collect")
+    c.add_argument("--out", required=True)
+    c.add_argument("--target", default="h100-80gb")
+    c.add_argument("--models", default=",".join(FIT_MODELS))
+    c.add_argument("--dtypes", default="float32,bfloat16,nf4")
+    f = sub.add_parser("fit")
+    f.add_argument("data")
+    f.add_argument("--verbose", action="store_true")
+    a = p.parse_args()
+    (collect if a.what == "collect" else fit)(a)
+
+
+if __name__ == "__main__":
+    main()
