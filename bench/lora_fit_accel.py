@@ -94,12 +94,13 @@ def key(r: dict) -> tuple:
 def columns(r: dict) -> tuple[list[float], float]:
     """(the fitted columns, the known part) of one compile: backward_bytes' accelerator path, then the base's
     casts (module docstring)."""
+    from slm.memory.finetune import largest_kernel, matmul_weights, model_shape
     from slm.model.sizing import logit_columns
 
     T, L, D, F, H, S = r["B"] * r["S"], r["L"], r["D"], r["F"], r["H"], r["S"]
     cb = 2 if r["mixed"] else 4
-    q, qkv = H * r["hd"], (H + 2 * r["KV"]) * r["hd"]
-    block, kernel = D * qkv + q * D + 3 * D * F, max(D * qkv, q * D, 2 * D * F, F * D)
+    shape = dataclasses.replace(model_shape(os.path.join(MODELS, r["model"])), n_layers=L)
+    block, kernel = matmul_weights(shape)[0], largest_kernel(shape)
     cast = r["dtype"] not in ("nf4", "bfloat16" if r["mixed"] else "float32")  # a float base cast to the compute dtype
     wide, nf4, layers = r["dtype"] == "float32", r["dtype"] == "nf4", 1 if r["remat"] else L
     casts = [cast * (not wide) * kernel * cb, cast * (not wide) * block * cb * layers,  # a 16-bit base's

@@ -17,12 +17,12 @@ The run's peak is the larger of the steps' and the load's. A TPU host's runtime 
 from __future__ import annotations
 
 from slm.memory.estimate import MB
+from slm.memory.finetune import DTYPE_BYTES, matmul_weights
 from slm.model.sizing import ModelShape
 
 CUDA_CLIENT_MB = 1300.0
 ALLOCATOR_TABLE = 1 / 32
 READ_CHUNK = 64 << 20  # bytes: a tensor stored wider than it is held is converted this much at a time
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def read_buffer_bytes(n: int, stored_bytes: int, held_bytes: int, chunk_bytes: int = READ_CHUNK,
@@ -39,8 +39,6 @@ def load_transient_bytes(shape: ModelShape, stored: str, held: str) -> int:
     (slm.io.hf_import.read_transient_mb reads the real tensors' headers): the larger of the embedding (or an
     untied head) as held plus its read buffer, and twice one layer as held (as read, and as assembled).
     `stored`: the checkpoint's dtype (config.json's torch_dtype); `held`: the dtype it is read into."""
-    from slm.memory.finetune import matmul_weights
-
     n_top = shape.vocab_size * shape.d_model
     top = n_top * DTYPE_BYTES[held] + read_buffer_bytes(n_top, DTYPE_BYTES[stored], DTYPE_BYTES[held],
                                                          same=stored == held)
