@@ -66,7 +66,7 @@ def collect(a: argparse.Namespace) -> None:
             for L in (2, 4):
                 shape = dataclasses.replace(full, n_layers=L)
                 for dtype in a.dtypes.split(","):
-                    for remat, mixed in SETTINGS:
+                    for remat, mixed in [st for st in SETTINGS if not a.settings or f"{st[0]},{st[1]}" in a.settings]:
                         for B, S in FIT_TOKENS:
                             rec = dict(model=m, L=L, D=shape.d_model, F=shape.d_ff, H=shape.n_heads,
                                        KV=shape.kv_heads, hd=shape.head_dim, V=shape.vocab_size, dtype=dtype,
@@ -95,7 +95,8 @@ def columns(r: dict) -> tuple[list[float], float]:
     """(the fitted columns, the known part) of one compile: backward_bytes' accelerator path, then the base's
     casts (module docstring)."""
     from slm.memory.finetune import largest_kernel, matmul_weights, model_shape
-    from slm.model.sizing import logit_columns
+    from slm.memory.targets import load_target
+    from slm.model.sizing import logit_columns, visible_keys
 
     T, L, D, F, H, S = r["B"] * r["S"], r["L"], r["D"], r["F"], r["H"], r["S"]
     cb = 2 if r["mixed"] else 4
@@ -105,10 +106,11 @@ def columns(r: dict) -> tuple[list[float], float]:
     wide, nf4, layers = r["dtype"] == "float32", r["dtype"] == "nf4", 1 if r["remat"] else L
     casts = [cast * (not wide) * kernel * cb, cast * (not wide) * block * cb * layers,  # a 16-bit base's
              cast * wide * kernel * cb, cast * wide * block * cb * layers, nf4 * kernel * cb]  # a float32's, nf4's
-    V = logit_columns(r["V"], None, "gpu")
+    platform = load_target(r.get("target", "h100-80gb")).platform
+    V, keys = logit_columns(r["V"], None, platform), S if platform == "gpu" else visible_keys(S)  # a TPU: blocked
     if r["remat"]:
-        return [T * D, T * F, T * H * S, T * V, 1.0, *casts], T * (L - 1) * D * cb
-    return [T * L * D, T * L * F, T * L * H * S, T * V, 1.0, *casts], 0.0
+        return [T * D, T * F, T * H * keys, T * V, 1.0, *casts], T * (L - 1) * D * cb
+    return [T * L * D, T * L * F, T * L * H * keys, T * V, 1.0, *casts], 0.0
 
 
 def state(r: dict) -> int:
@@ -149,6 +151,7 @@ def main() -> None:
     c.add_argument("--target", default="h100-80gb")
     c.add_argument("--models", default=",".join(FIT_MODELS))
     c.add_argument("--dtypes", default="float32,bfloat16,nf4")
+    c.add_argument("--settings", default="", help="only these (remat, mixed precision) pairs, e.g. 'True,True'")
     f = sub.add_parser("fit")
     f.add_argument("data")
     f.add_argument("--verbose", action="store_true")

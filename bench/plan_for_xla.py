@@ -1,6 +1,7 @@
 """The device memory arithmetic against XLA's own figure for a GPU or TPU target, compiled on this CPU (--plan-for).
 
     .venv/bin/python bench/plan_for_xla.py sweep --target h100-80gb [--rows scratch,lora,qlora,full] [--models ...]
+    .venv/bin/python bench/plan_for_xla.py sweep --target v5e-8 --reuse sweep.md   # re-estimate its rows, no compile
     .venv/bin/python bench/plan_for_xla.py sampler        # seed 002's QLoRA sampler on an A10G: before / after
     .venv/bin/python bench/plan_for_xla.py seed002        # seed 002's settings on an A10G 24 GB, and a 1B on v5e-8
     .venv/bin/python bench/plan_for_xla.py device-plan --out bench/out/plan.json    # --plan-for h100-80gb, here
@@ -93,6 +94,18 @@ def estimate_device_mb(c: Config, shape, target) -> float:
     return planned_mb(c, shape, target) - (GPU_RUNTIME_MB if target.platform != "cpu" else 0.0)
 
 
+def reused(path: str) -> dict[str, tuple[str, float]]:
+    """name: (sharding, XLA MB) of the rows of an earlier sweep's table (its printed markdown) that compiled."""
+    out = {}
+    if path:
+        with open(path) as f:
+            for line in f:
+                cells = [x.strip() for x in line.split("|")[1:-1]]
+                if len(cells) == 7 and cells[2] in ("dp", "fsdp") and cells[4].replace(",", "").replace(".", "").isdigit():
+                    out[cells[0]] = (cells[2], float(cells[4].replace(",", "")))
+    return out
+
+
 def sweep(a: argparse.Namespace) -> None:
     from slm.train.aot import compile_only, target_devices
     from slm.train.devices import start_backend
@@ -106,19 +119,24 @@ def sweep(a: argparse.Namespace) -> None:
           f"{target.facts['device']})\n")
     print("| run | params | sharding | estimate MB | XLA MB | estimate / XLA | compile s |")
     print("|---|---|---|---|---|---|---|")
-    worst = (0.0, "")
+    worst, earlier = (0.0, ""), reused(a.reuse)
     for name, kw in rows(a.rows.split(","), a.models.split(",")):
+        if a.reuse and name not in earlier:
+            continue
         c = Config(**{"use_streaming": True, "plan_for": target.name, "use_mixed_precision": True, **kw})
         c = dataclasses.replace(c, batch_size=c.batch_size * target.count)
         shape = plan_shape(c)
         c = resolved_for(c, shape, target.platform)
         est = estimate_device_mb(c, shape, target)
-        if target.count > 1 and est > 0.8 * target.usable_mb()[0]:
-            c = dataclasses.replace(c, sharding="fsdp")
+        if name in earlier or (target.count > 1 and est > 0.8 * target.usable_mb()[0]):
+            c = dataclasses.replace(c, sharding=earlier[name][0] if name in earlier else "fsdp")
             est = estimate_device_mb(c, shape, target)
         t0 = time.time()
-        with compile_only():
-            _, xla, note, _ = compile_programs(c, shape, devices, target, train_only=True)[0]
+        if name in earlier:  # XLA's figure from the earlier table (the same program: it does not depend on the estimate)
+            xla, note = earlier[name][1], "from --reuse"
+        else:
+            with compile_only():
+                _, xla, note, _ = compile_programs(c, shape, devices, target, train_only=True)[0]
         if xla is None or xla != xla or xla == float("inf"):
             print(f"| {name} | {count_params(shape) / 1e6:,.0f}M | {c.sharding} | {est:,.0f} | - ({note}) | - | "
                   f"{time.time() - t0:.0f} |", flush=True)
@@ -183,17 +201,24 @@ def sampler(a: argparse.Namespace) -> None:
 FIT_SHAPES = ((2, 128, 4, 344, 2048), (4, 128, 2, 344, 8192), (2, 256, 8, 688, 2048), (4, 256, 4, 688, 4096),
               (3, 192, 6, 512, 4096))  # layers, width, heads, MLP width, vocab
 FIT_TOKENS = ((8, 256), (4, 1024), (16, 512), (2, 2048))  # micro-batch, seq
+# A TPU's: its layouts pad narrow arrays and its fixed costs (~20-60 MB) swamp 2-4 layers of 128-wide models, so
+# the widths and head dims of the sizes people train there, at 2 and 6 layers (per-layer terms apart from the rest).
+TPU_FIT_SHAPES = ((2, 384, 12, 1024, 4096), (6, 384, 12, 1024, 4096), (2, 512, 8, 1376, 8192),
+                  (6, 512, 8, 1376, 8192), (2, 1024, 8, 2752, 8192), (6, 1024, 8, 2752, 8192))
+TPU_FIT_TOKENS = ((8, 512), (4, 1024), (8, 2048))
 
 
-def relative_nnls(X, y):
-    """Non-negative coefficients minimising the relative errors' squares: least squares on X / y against 1,
-    dropping the most negative coefficient until none is (an active-set loop; a handful of columns)."""
+def relative_nnls(X, y, scale=None):
+    """Non-negative coefficients minimising the squares of the errors relative to `scale` (default y): least
+    squares on X / scale against y / scale, dropping the most negative coefficient until none is (an active-set
+    loop; a handful of columns)."""
     import numpy as np
 
-    A, keep = X / y[:, None], list(range(X.shape[1]))
+    scale = y if scale is None else scale
+    A, b, keep = X / scale[:, None], y / scale, list(range(X.shape[1]))
     while True:
         coef = np.zeros(X.shape[1])
-        coef[keep] = np.linalg.lstsq(A[:, keep], np.ones(len(y)), rcond=None)[0]
+        coef[keep] = np.linalg.lstsq(A[:, keep], b, rcond=None)[0]
         if coef.min() >= 0:
             return coef
         keep.remove(int(np.argmin(coef)))
@@ -202,7 +227,9 @@ def relative_nnls(X, y):
 def fit(a: argparse.Namespace) -> None:
     """The activation coefficients (a, b, c, e, k) of slm.memory.estimate for one target's compiler: XLA's peak
     of the from-scratch train step (AdamW, one device) less the state's 16N bytes, fitted by relative least
-    squares over 5 shapes x 4 token counts, for each (remat, mixed precision); k is a constant (workspaces)."""
+    squares over 5 shapes x 4 token counts, for each (remat, mixed precision); k is a constant (workspaces).
+    A TPU's: 6 wider shapes (2 and 6 layers) x 3 token counts, the errors relative to the whole peak (beyond
+    the state, 2-layer steps hold as little as 60 MB, which relative errors on that part would favour)."""
     import numpy as np
     from jax.sharding import Mesh
 
@@ -221,10 +248,11 @@ def fit(a: argparse.Namespace) -> None:
         for mixed in (False, True):
             if a.only and a.only != f"{remat},{mixed}":
                 continue
-            X, y = [], []
-            for L, D, H, F, V in FIT_SHAPES:
+            X, y, whole = [], [], []
+            tpu = target.platform == "tpu"
+            for L, D, H, F, V in TPU_FIT_SHAPES if tpu else FIT_SHAPES:
                 shape = ModelShape(vocab_size=V, n_layers=L, d_model=D, n_heads=H, d_ff=F)
-                for B, S in FIT_TOKENS:
+                for B, S in TPU_FIT_TOKENS if tpu else FIT_TOKENS:
                     spec = StepSpec(shape, S, B, 1, mixed, remat, optimizer="adamw", platform=target.platform)
                     with compile_only():
                         peak = program_peak(compile_step(build(spec, mesh))[0])
@@ -232,12 +260,13 @@ def fit(a: argparse.Namespace) -> None:
                     X.append([T * L * D, T * L * F, T * L * H * visible_keys(S), T * (cols + (CHUNKED_BYTES_PER_D * D / cols
                                                                                  if cols < V else 0)), 1.0])
                     y.append(peak - 16 * count_params(shape))
+                    whole.append(peak)
                     if a.verbose:
                         print(f"  L{L} D{D} H{H} F{F} V{V} B{B} S{S}: XLA {peak / 2**20:,.1f} MB, beyond the state "
                               f"{y[-1] / 2**20:,.1f} MB", flush=True)
-            X, y = np.array(X, float), np.array(y, float)
-            coef = relative_nnls(X, y)
-            err = X @ coef / y - 1
+            X, y, whole = np.array(X, float), np.array(y, float), np.array(whole, float)
+            coef = relative_nnls(X, y, whole if tpu else None)
+            err = (X @ coef - y) / (whole if tpu else y)
             print(f"(remat {remat}, mixed {mixed}): ActivationCoefficients({', '.join(f'{c:.2f}' for c in coef[:4])}, "
                   f"{coef[4] / 2**20:.1f} * MB) "
                   f"worst {np.abs(err).max() * 100:.1f}% over {len(y)}", flush=True)
@@ -503,6 +532,8 @@ def main() -> None:
     s = sub.add_parser("sweep")
     s.add_argument("--target", default="h100-80gb")
     s.add_argument("--rows", default="scratch,lora,qlora,full")
+    s.add_argument("--reuse", default="", help="an earlier sweep's output: its rows' XLA figures and shardings, "
+                   "re-estimated without compiling (after a change of the arithmetic)")
     s.add_argument("--models", default=",".join(sorted(m for m in os.listdir(MODELS) if os.path.isdir(
         os.path.join(MODELS, m)))) if os.path.isdir(MODELS) else "")
     sub.add_parser("sampler")

@@ -202,7 +202,7 @@ def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, r
     copy of the whole head."""
     block, head = matmul_weights(shape)
     compute = "bfloat16" if mixed_precision else "float32"
-    if platform in LORA_ACCEL_CASTS:  # the target compiler's own fit (LORA_ACCEL_CASTS)
+    if (remat, mixed_precision) in LORA_ACCEL_CASTS.get(platform, {}):  # the target compiler's own fit
         k16, b16, k32, b32, nf4_kernels = LORA_ACCEL_CASTS[platform][(remat, mixed_precision)]
         cast = base_dtype not in ("nf4", compute)
         kernels, blocks = (k32, b32) if base_dtype == "float32" else (k16, b16)
@@ -272,12 +272,13 @@ def lora_breakdown(shape: ModelShape, ft: Finetune, seq_len: int, micro_batch: i
     ideal = remat and platform != "cpu"
     coefficients = LORA_COEFFICIENTS[(remat and not ideal, bool(mixed_precision))]
     layer = LORA_COEFFICIENTS[(False, bool(mixed_precision))] if ideal else None
-    if platform in LORA_ACCEL_COEFFICIENTS:  # the target compiler's own fit (remat: one block recomputed)
+    fitted = (remat, bool(mixed_precision)) in LORA_ACCEL_COEFFICIENTS.get(platform, {})
+    if fitted:  # the target compiler's own fit (remat: one block recomputed)
         coefficients = LORA_ACCEL_COEFFICIENTS[platform][(remat, bool(mixed_precision))]
         layer = coefficients if remat else None
     activations, logits = backward_bytes(shape, micro_batch * seq_len, seq_len, coefficients, layer,
                                          2 if mixed_precision else 4, loss_chunk, platform)
-    if ft.base_dtype == "nf4" and platform not in LORA_ACCEL_COEFFICIENTS:  # XLA:CPU's nf4 step (NF4_ACTIVATIONS)
+    if ft.base_dtype == "nf4" and not fitted:  # XLA:CPU's nf4 step (NF4_ACTIVATIONS)
         activations = int(NF4_ACTIVATIONS * activations)
     return {
         "base_params": base_param_bytes(shape, ft.base_dtype),

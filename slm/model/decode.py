@@ -21,6 +21,7 @@ from slm.model.attention import causal_attend
 from slm.model.lora import LoraSpec, adapted
 from slm.model.loss import head_logits
 from slm.model.matmul import bf16_linear_rows
+from slm.model.nf4 import layout_for
 from slm.model.rope import rotary_at
 from slm.model.sizing import ModelShape
 from slm.model.transformer import (
@@ -62,7 +63,7 @@ class CachedAttention(nn.Module):
     layer: int = 0
     lora: LoraSpec | None = None
     matmul: str = "float32"
-    nf4: bool = False
+    nf4: bool | str = False  # False, or the NF4 layout (slm.model.nf4.layout_for)
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array, fresh: bool = False
@@ -98,7 +99,7 @@ class CachedBlock(nn.Module):
     layer: int = 0
     lora: LoraSpec | None = None
     matmul: str = "float32"
-    nf4: bool = False
+    nf4: bool | str = False  # False, or the NF4 layout
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, cache: dict, start: jax.Array, fresh: bool = False
@@ -133,8 +134,9 @@ class CachedTransformer(nn.Module):
         )
         x_BxTxD = embed_tokens(self.shape, embed_VxD, ids_BxT, self.dtype)
         new_cache = []
+        nf4 = self.nf4 and layout_for(self.platform or jax.default_backend())  # the blocks' NF4Dense layout
         for i in range(self.shape.n_layers):
-            block = CachedBlock(self.shape, self.dtype, i, self.lora, self.matmul, self.nf4, name=f"block_{i}")
+            block = CachedBlock(self.shape, self.dtype, i, self.lora, self.matmul, nf4, name=f"block_{i}")
             x_BxTxD, layer_cache = block(x_BxTxD, cache[i], start, fresh)
             new_cache.append(layer_cache)
         if last is not None:

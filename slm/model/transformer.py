@@ -25,7 +25,7 @@ from slm.model.attention import causal_attend
 from slm.model.lora import LoraSpec, adapted
 from slm.model.loss import chunked_token_nll
 from slm.model.matmul import bf16_dot_general, bf16_linear_rows
-from slm.model.nf4 import BLOCK, blocks_of, nf4_linear
+from slm.model.nf4 import BLOCK, blocks_of, layout_for, nf4_linear
 from slm.model.rope import rotary, rotary_positions
 from slm.model.sizing import ModelShape
 
@@ -80,11 +80,11 @@ def document_layout(ids_BxL: jax.Array, start_id: int) -> tuple[jax.Array, jax.A
 
 
 def dense(features: int, name: str, dtype: Dtype, std: float, bias: bool = False,
-          matmul: str = "float32", nf4: bool = False) -> nn.Module:
+          matmul: str = "float32", nf4: bool | str = False) -> nn.Module:
     """A Linen Dense with float32 parameters; `matmul` "bfloat16": its products in bf16 (slm.model.matmul);
     `nf4`: the frozen base's kernel held as NF4 codes (NF4Dense)."""
     if nf4:
-        return NF4Dense(features, dtype, bias, matmul == "bfloat16", name=name)
+        return NF4Dense(features, dtype, bias, matmul == "bfloat16", "pairs" if nf4 is True else nf4, name=name)
     return nn.Dense(
         features, use_bias=bias, dtype=dtype, param_dtype=jnp.float32,
         kernel_init=nn.initializers.normal(std), name=name,
@@ -100,13 +100,14 @@ class NF4Dense(nn.Module):
     dtype: Dtype
     use_bias: bool = False
     bf16: bool = False  # bf16 products with float32 sums (--matmul-precision bfloat16)
+    layout: str = "pairs"  # how the codes are looked up (slm.model.nf4.dequantize_rows): the backend's
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         blocks = blocks_of(x.shape[-1], self.features)
         codes = self.param("nf4_codes", nn.initializers.zeros, (blocks * BLOCK // 2,), jnp.uint8)
         absmax = self.param("nf4_absmax", nn.initializers.zeros, (blocks,), jnp.float32)
-        y = nf4_linear(x, codes, absmax, self.features, jnp.dtype(self.dtype), self.bf16)
+        y = nf4_linear(x, codes, absmax, self.features, jnp.dtype(self.dtype), self.bf16, self.layout)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(y.dtype)
         return y
@@ -114,7 +115,7 @@ class NF4Dense(nn.Module):
 
 def project_qkv(shape: ModelShape, dtype: Dtype, x_BxLxD: jax.Array, module: nn.Module | None = None,
                 lora: LoraSpec | None = None, matmul: str = "float32",
-                nf4: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                nf4: bool | str = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One fused projection (named "qkv", inside the calling `module`) -> q (B, L, H, K), k and v (B, L, G, K);
     G = H without grouped-query attention, when the kernel is (D, 3D) as it always was. With `lora`, the
     module's q/k/v adapters add to their columns."""
@@ -174,7 +175,7 @@ class Attention(nn.Module):
     dtype: Dtype
     lora: LoraSpec | None = None
     matmul: str = "float32"  # the projections' product precision (slm.model.matmul)
-    nf4: bool = False  # the frozen base's kernels as NF4 codes (NF4Dense)
+    nf4: bool | str = False  # the frozen base's kernels as NF4 codes: False, or their layout (NF4Dense)
     layer: int = 0  # its index: Gemma 3's sliding-window layers differ from its global ones
     platform: str | None = None  # the backend compiled for (None: jax's default; --plan-for: the target's)
 
@@ -207,7 +208,7 @@ class SwiGLU(nn.Module):
     dtype: Dtype
     lora: LoraSpec | None = None
     matmul: str = "float32"
-    nf4: bool = False
+    nf4: bool | str = False  # False, or the NF4 layout (slm.model.nf4.layout_for)
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
@@ -269,7 +270,7 @@ class Block(nn.Module):
     lora: LoraSpec | None = None
     matmul: str = "float32"
     dropout: float = 0.0  # on each residual branch's output (GPT-2's resid_pdrop)
-    nf4: bool = False
+    nf4: bool | str = False  # False, or the NF4 layout (Transformer resolves it)
     layer: int = 0
     platform: str | None = None  # Attention's
 
@@ -312,8 +313,9 @@ class Transformer(nn.Module):
         x_BxLxD = dropout(self, self.dropout, embed_tokens(self.shape, embed_VxD, ids_BxL, self.dtype))
         layout = None if self.doc_start is None else document_layout(ids_BxL, self.doc_start)
         block_cls = nn.remat(Block, prevent_cse=True) if self.remat else Block
+        nf4 = self.nf4 and layout_for(self.platform or jax.default_backend())  # the blocks' NF4Dense layout
         for i in range(self.shape.n_layers):
-            x_BxLxD = block_cls(self.shape, self.dtype, self.lora, self.matmul, self.dropout, self.nf4, i,
+            x_BxLxD = block_cls(self.shape, self.dtype, self.lora, self.matmul, self.dropout, nf4, i,
                                 self.platform, name=f"block_{i}")(
                 x_BxLxD, layout)
         x_BxLxD = norm(self.shape, "final_norm")(x_BxLxD)

@@ -41,9 +41,42 @@ def test_quantisation_error_on_normal_weights_and_odd_sizes():
     assert q["nf4_absmax"].shape == (1,) and np.abs(nf4.dequantize(q, 7, 5) - odd).max() <= 0.2 * np.abs(odd).max()
 
 
+@pytest.mark.parametrize("n_in, n_out", [(576, 1536), (128, 3), (7, 5)])
+def test_each_layout_dequantises_to_the_numpy_reference(n_in, n_out):
+    """The CPU's pair lookup and the accelerators' row lookup (slm.model.nf4.layout_for) give numpy's weights to
+    the bit; (7, 5): an `in` that is no multiple of the block, which the row lookup leaves to the pairs."""
+    q = nf4.quantize((np.random.default_rng(2).standard_normal((n_in, n_out)) * 0.02).astype(np.float32))
+    want = nf4.dequantize(q, n_in, n_out).T
+    for layout in ("pairs", "rows"):
+        got = nf4.dequantize_rows(jnp.asarray(q["nf4_codes"]), jnp.asarray(q["nf4_absmax"]), n_in, n_out,
+                                  jnp.float32, layout=layout)
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_tpu_dequantises_without_padded_temporaries():
+    """Compiled for a TPU (libtpu, compile-only), the row lookup holds about its output; the pair lookup's
+    (n, 2) array is laid out with its last dimension padded to 128 lanes: 64x its size."""
+    from jax.sharding import SingleDeviceSharding
+
+    from slm.memory.targets import load_target
+    from slm.train.aot import compile_only, target_devices
+
+    n_in, n_out = 576, 1536
+    device = SingleDeviceSharding(target_devices(load_target("v5e-1"))[0])
+    args = (jax.ShapeDtypeStruct((n_in * n_out // 2,), jnp.uint8, sharding=device),
+            jax.ShapeDtypeStruct((n_in * n_out // nf4.BLOCK,), jnp.float32, sharding=device))
+    temps = {}
+    for layout in ("pairs", nf4.layout_for("tpu")):
+        f = jax.jit(lambda c, a: nf4.dequantize_rows(c, a, n_in, n_out, jnp.bfloat16, layout=layout))  # noqa: B023
+        with compile_only():
+            temps[layout] = f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    output = n_in * n_out * 2
+    assert temps["rows"] <= output and temps["pairs"] > 50 * output, temps
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("matmul", ["float32", "bfloat16"])
-def test_an_nf4_model_computes_what_its_dequantised_weights_compute(matmul):
+@pytest.mark.parametrize("matmul, platform", [("float32", None), ("bfloat16", None), ("float32", "tpu")])
+def test_an_nf4_model_computes_what_its_dequantised_weights_compute(matmul, platform):
     shape = ModelShape(vocab_size=128, n_layers=2, d_model=64, n_heads=4, d_ff=96, n_kv_heads=2, qkv_bias=True)
     lora = LoraSpec(4, targets=("q_proj", "v_proj", "down_proj"))
     plain = Transformer(shape, lora=lora, matmul=matmul)
@@ -52,7 +85,7 @@ def test_an_nf4_model_computes_what_its_dequantised_weights_compute(matmul):
     quantized = nf4.quantize_params(params)
     dequantized = nf4.dequantize_params(quantized, shape)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)), jnp.int32)
-    held = Transformer(shape, lora=lora, matmul=matmul, nf4=True)
+    held = Transformer(shape, lora=lora, matmul=matmul, nf4=True, platform=platform)  # "tpu": the row lookup
     tol = 0 if matmul == "float32" else 5e-3  # bf16: the plain model rounds the kernel, the nf4 one its levels
     assert np.abs(held.apply({"params": quantized}, ids) - plain.apply({"params": dequantized}, ids)).max() <= tol
 
