@@ -66,7 +66,7 @@ def collect(a: argparse.Namespace) -> None:
             for L in (2, 4):
                 shape = dataclasses.replace(full, n_layers=L)
                 for dtype in a.dtypes.split(","):
-                    for remat, mixed in [st for st in SETTINGS if not a.settings or f"{st[0]},{st[1]}" in a.settings]:
+                    for remat, mixed in [st for st in SETTINGS if not a.only or a.only == f"{st[0]},{st[1]}"]:
                         for B, S in FIT_TOKENS:
                             rec = dict(model=m, L=L, D=shape.d_model, F=shape.d_ff, H=shape.n_heads,
                                        KV=shape.kv_heads, hd=shape.head_dim, V=shape.vocab_size, dtype=dtype,
@@ -151,7 +151,7 @@ def main() -> None:
     c.add_argument("--target", default="h100-80gb")
     c.add_argument("--models", default=",".join(FIT_MODELS))
     c.add_argument("--dtypes", default="float32,bfloat16,nf4")
-    c.add_argument("--settings", default="", help="only these (remat, mixed precision) pairs, e.g. 'True,True'")
+    c.add_argument("--only", default="", help="one (remat, mixed precision) pair, e.g. True,True (as plan_for_xla.py fit)")
     f = sub.add_parser("fit")
     f.add_argument("data")
     f.add_argument("--verbose", action="store_true")
