@@ -134,7 +134,7 @@ class CachedTransformer(nn.Module):
         )
         x_BxTxD = embed_tokens(self.shape, embed_VxD, ids_BxT, self.dtype)
         new_cache = []
-        nf4 = self.nf4 and layout_for(self.platform or jax.default_backend())  # the blocks' NF4Dense layout
+        nf4 = self.nf4 and layout_for(self.platform or jax.default_backend(), decoding=True)  # NF4Dense's layout
         for i in range(self.shape.n_layers):
             block = CachedBlock(self.shape, self.dtype, i, self.lora, self.matmul, nf4, name=f"block_{i}")
             x_BxTxD, layer_cache = block(x_BxTxD, cache[i], start, fresh)

@@ -57,24 +57,19 @@ def quantize(kernel_IxO: np.ndarray, chunk: int = 1 << 14) -> dict[str, np.ndarr
     return {"nf4_codes": codes, "nf4_absmax": absmax}
 
 
-def layout_for(platform: str) -> str:
-    """How a backend dequantises (dequantize_rows' `layout`): "rows" on a TPU; "pairs" elsewhere (a GPU's
-    memory terms and its measured runs are the pair lookup's; its layouts pad nothing)."""
-    return "rows" if platform == "tpu" else "pairs"
+def layout_for(platform: str, decoding: bool = False) -> str:
+    """How a backend dequantises (nf4_linear's `layout`): "halves" (dequantize_halves) on a TPU, and in the CPU's
+    KV-cache decoder, where the selects vectorise and the pair lookup's gather is a scalar loop: 54 against
+    132 ms a token for SmolLM2-135M's QLoRA sampler (2-core EPYC, one core each, 2026-11-28), the same 6.8 MB of
+    XLA:CPU temporaries. "pairs" (dequantize_rows) elsewhere: the CPU's and a GPU's training memory terms and
+    speeds, and a GPU's sampler on real cards, were measured with the pair lookup."""
+    return "halves" if platform == "tpu" or (decoding and platform == "cpu") else "pairs"
 
 
 def dequantize_rows(codes: jax.Array, absmax: jax.Array, n_in: int, n_out: int, dtype: Any,
-                    levels: jax.Array | None = None, layout: str = "pairs") -> jax.Array:
-    """The weights back as (out, in) rows in `dtype` (jax; traced inside the step). `layout` "rows": each half
-    of a byte looked up on its own, in (out, in / 2) arrays, for a TPU, whose layouts pad an array's last
-    dimension to 128 lanes: the "pairs" lookup's (in x out / 2, 2) array held 64x its size there (SmolLM2-135M's
-    QLoRA step 1.4 GB on a v5e chip for 0.2 GB planned; a 576 x 1,536 kernel 216 MB of temporaries, 0 now)."""
+                    levels: jax.Array | None = None) -> jax.Array:
+    """The weights back as (out, in) rows in `dtype` (jax; traced inside the step, or for exports)."""
     table = jnp.asarray(LEVELS) if levels is None else levels
-    if layout == "rows" and n_in % BLOCK == 0:  # (a block never spans two rows)
-        c = codes.astype(jnp.int32)[: n_in * n_out // 2].reshape(n_out, n_in // 2)
-        w = jnp.stack([jnp.take(table, c >> 4, mode="clip"), jnp.take(table, c & 15, mode="clip")], axis=-1)
-        scaled = w.reshape(n_out, n_in // BLOCK, BLOCK) * absmax[: n_in * n_out // BLOCK].reshape(n_out, -1, 1)
-        return scaled.reshape(n_out, n_in).astype(dtype)
     byte = jnp.arange(256)
     # (256, 2): what each byte stands for; built from `levels`, never a constant, so the lookup still depends on
     # the layer's input (see _after)
@@ -84,6 +79,29 @@ def dequantize_rows(codes: jax.Array, absmax: jax.Array, n_in: int, n_out: int, 
     pairs = jnp.take(pair_table, codes.astype(jnp.int32), axis=0, mode="clip")
     values = pairs.reshape(-1, BLOCK) * absmax[:, None]
     return values.reshape(-1)[: n_in * n_out].reshape(n_out, n_in).astype(dtype)
+
+
+def dequantize_halves(codes: jax.Array, absmax: jax.Array, n_in: int, n_out: int, dtype: Any,
+                      levels: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(even_OxH, odd_OxH): the weights of the even and of the odd inputs, H = in / 2 (the high and the low
+    half-bytes), computed in `dtype`; `in` a multiple of the block. For a TPU, where a lookup (a gather) and
+    any (n, 2) or (.., 32) array are laid out padded to 128 lanes and the step held ~14 bytes a weight of its
+    largest kernel (Mistral-7B's 4,096 x 28,672: 1.6 GB): here each level is picked by 15 selects on the
+    nibble's bits and scaled in `dtype`, elementwise, so libtpu fuses it into one pass from the codes to the
+    two halves (1.5 of the bf16 kernel's bytes in all, bench/plan_for_xla.py; a float32 product cast to bf16
+    is not fused, hence `dtype`'s arithmetic: bf16 levels x bf16 absmax, within three bf16 roundings)."""
+    table = (jnp.asarray(LEVELS) if levels is None else levels).astype(dtype)
+    c_OxBx32 = codes[: n_in * n_out // 2].reshape(n_out, n_in // BLOCK, BLOCK // 2)
+    scale_OxBx1 = absmax[: n_in * n_out // BLOCK].reshape(n_out, -1, 1).astype(dtype)
+
+    def level(nibble: jax.Array) -> jax.Array:
+        values = [table[i] for i in range(16)]
+        for bit in range(4):  # a binary tree of selects, lowest bit first: 8, 4, 2, 1 candidates left
+            on = (nibble & (1 << bit)) != 0
+            values = [jnp.where(on, values[2 * j + 1], values[2 * j]) for j in range(len(values) // 2)]
+        return values[0]
+
+    return tuple((level(half) * scale_OxBx1).reshape(n_out, n_in // 2) for half in (c_OxBx32 >> 4, c_OxBx32 & 15))
 
 
 def dequantize(q: dict[str, Any], n_in: int, n_out: int) -> np.ndarray:
@@ -96,18 +114,23 @@ def dequantize(q: dict[str, Any], n_in: int, n_out: int) -> np.ndarray:
 def nf4_linear(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dtype: Any, bf16: bool,
                layout: str = "pairs") -> jax.Array:
     """x (..., in) . W (in, out) with W dequantised to `dtype` (bf16 operands and float32 sums when `bf16`;
-    `layout`: dequantize_rows')."""
+    `layout`: layout_for's)."""
     return _forward(x, codes, absmax, n_out, dtype, bf16, layout)
+
+
+def _dot(a: jax.Array, a_dim: int, w: jax.Array, w_dim: int, bf16: bool) -> jax.Array:
+    if bf16:
+        return contract_f32(a.astype(jnp.bfloat16), (a_dim,), w, (w_dim,))
+    return lax.dot_general(a.astype(w.dtype), w, (((a_dim,), (w_dim,)), ((), ())))
 
 
 def _forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dtype: Any, bf16: bool,
              layout: str) -> jax.Array:
-    levels = _after(x)
-    if bf16:
-        w_OxI = dequantize_rows(codes, absmax, x.shape[-1], n_out, jnp.bfloat16, levels, layout)
-        return contract_f32(x.astype(jnp.bfloat16), (x.ndim - 1,), w_OxI, (1,)).astype(dtype)
-    w_OxI = dequantize_rows(codes, absmax, x.shape[-1], n_out, dtype, levels, layout)
-    return lax.dot_general(x.astype(dtype), w_OxI, (((x.ndim - 1,), (1,)), ((), ())))
+    levels, wd, last = _after(x), jnp.bfloat16 if bf16 else dtype, x.ndim - 1
+    if layout == "halves" and x.shape[-1] % BLOCK == 0:  # two half-width products: the weights never interleaved
+        even, odd = dequantize_halves(codes, absmax, x.shape[-1], n_out, wd, levels)
+        return (_dot(x[..., 0::2], last, even, 1, bf16) + _dot(x[..., 1::2], last, odd, 1, bf16)).astype(dtype)
+    return _dot(x, last, dequantize_rows(codes, absmax, x.shape[-1], n_out, wd, levels), 1, bf16).astype(dtype)
 
 
 def _after(anchor: jax.Array) -> jax.Array:
@@ -130,10 +153,12 @@ def _fwd(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dtype: A
 
 def _bwd(n_out: int, dtype: Any, bf16: bool, layout: str, res: tuple, g: jax.Array) -> tuple:
     codes, absmax, x_tag = res  # x_tag: x's dtype and width, as an empty array
-    levels = _after(g)  # dequantised again, here, once g exists (see _after)
-    w_OxI = dequantize_rows(codes, absmax, x_tag.shape[1], n_out, jnp.bfloat16 if bf16 else dtype, levels, layout)
-    g = g.astype(w_OxI.dtype)
-    dx = contract_f32(g, (g.ndim - 1,), w_OxI, (0,)) if bf16 else lax.dot_general(g, w_OxI, (((g.ndim - 1,), (0,)), ((), ())))
+    levels, wd, n_in, last = _after(g), jnp.bfloat16 if bf16 else dtype, x_tag.shape[1], g.ndim - 1
+    if layout == "halves" and n_in % BLOCK == 0:  # dequantised again, here, once g exists (see _after)
+        even, odd = dequantize_halves(codes, absmax, n_in, n_out, wd, levels)
+        dx = jnp.stack([_dot(g, last, even, 0, bf16), _dot(g, last, odd, 0, bf16)], axis=-1).reshape(*g.shape[:-1], n_in)
+    else:
+        dx = _dot(g, last, dequantize_rows(codes, absmax, n_in, n_out, wd, levels), 0, bf16)
     return dx.astype(x_tag.dtype), np.zeros(codes.shape, jax.dtypes.float0), jnp.zeros_like(absmax)
 
 

@@ -100,7 +100,7 @@ class NF4Dense(nn.Module):
     dtype: Dtype
     use_bias: bool = False
     bf16: bool = False  # bf16 products with float32 sums (--matmul-precision bfloat16)
-    layout: str = "pairs"  # how the codes are looked up (slm.model.nf4.dequantize_rows): the backend's
+    layout: str = "pairs"  # how the codes are dequantised (slm.model.nf4.layout_for): the backend's
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:

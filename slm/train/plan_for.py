@@ -241,14 +241,15 @@ def stored_dtype(c: Config) -> str:
     return dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16"
 
 
-def host_plan(c: Config, shape: ModelShape, target: Target) -> dict | None:
-    """The rented GPU machine's host RSS (slm.memory.gpu_host), MB and parts; None on a TPU (not measured)."""
+def host_plan(c: Config, shape: ModelShape, target: Target, est: dict) -> dict | None:
+    """The rented GPU machine's host RSS (slm.memory.gpu_host), MB and parts, from the run's estimate (`planned`);
+    None on a TPU (not measured)."""
     if target.platform != "gpu":
         return None
     held = "float32" if c.lora_rank is None else "bfloat16" if c.base_dtype == "nf4" else c.base_dtype
     load = load_transient_bytes(shape, stored_dtype(c), held) if c.init_from else 0
     pool = target.usable_mb()[0]  # jax's pool on each card, whatever --memory-budget caps the programs at
-    return {k: round(v, 1) for k, v in gpu_host_rss(planned(c, shape, target), pool, target.count, load).items()}
+    return {k: round(v, 1) for k, v in gpu_host_rss(est, pool, target.count, load).items()}
 
 
 def host_line(h: dict, target: Target) -> str:
@@ -352,10 +353,11 @@ def _plan(c: Config, log: Log, train_only: bool = False) -> tuple[dict, tuple]:
             c = chosen
         else:
             rows = compile_programs(c, shape, devices, target, train_only)
-    programs = verdicts(rows, planned_mb(c, shape, target), usable, target)
+    est = planned(c, shape, target)
+    programs = verdicts(rows, est["device_total_mb"], usable, target)
     for line in table(programs):
         log(line)
-    host = host_plan(c, shape, target)
+    host = host_plan(c, shape, target, est)
     log(host_line(host, target) if host else f"[plan] host RAM of the {target.name} machine: not predicted (a TPU "
         f"host's runtime was never measured)")
     plan.update({"setting": setting_of(c, shape), "programs": [dataclasses.asdict(p) for p in programs],

@@ -51,8 +51,9 @@ def test_lora_decoding_equals_the_training_forward_and_the_folded_model(matmul):
     assert np.abs(got - decoded_logits(plain, split(params)[0], ids)).max() > 10 * tol  # the adapters matter
 
 
-def test_nf4_decoding_equals_the_dequantised_models_and_holds_only_codes():
-    tuned = Transformer(SHAPE, lora=LORA, nf4=True)
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])  # the CPU's decoder takes the halves, a GPU's the pairs
+def test_nf4_decoding_equals_the_dequantised_models_and_holds_only_codes(platform):
+    tuned = Transformer(SHAPE, lora=LORA, nf4=True, platform=platform)
     params = trained_params(Transformer(SHAPE, lora=LORA))
     base, adapters = split(params)
     held = merge(nf4.quantize_params(jax.tree.map(np.asarray, base)), adapters)

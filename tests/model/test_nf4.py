@@ -43,19 +43,26 @@ def test_quantisation_error_on_normal_weights_and_odd_sizes():
 
 @pytest.mark.parametrize("n_in, n_out", [(576, 1536), (128, 3), (7, 5)])
 def test_each_layout_dequantises_to_the_numpy_reference(n_in, n_out):
-    """The CPU's pair lookup and the accelerators' row lookup (slm.model.nf4.layout_for) give numpy's weights to
-    the bit; (7, 5): an `in` that is no multiple of the block, which the row lookup leaves to the pairs."""
+    """The CPU's pair lookup and a TPU's halves (slm.model.nf4.layout_for: the even and the odd inputs' weights)
+    give numpy's weights to the bit in float32; the halves in bf16 (their arithmetic's dtype) within three bf16
+    roundings of them (the level, the absmax, their product). (7, 5): an `in` that is no multiple of the block,
+    which only the pairs take."""
     q = nf4.quantize((np.random.default_rng(2).standard_normal((n_in, n_out)) * 0.02).astype(np.float32))
     want = nf4.dequantize(q, n_in, n_out).T
-    for layout in ("pairs", "rows"):
-        got = nf4.dequantize_rows(jnp.asarray(q["nf4_codes"]), jnp.asarray(q["nf4_absmax"]), n_in, n_out,
-                                  jnp.float32, layout=layout)
-        np.testing.assert_array_equal(np.asarray(got), want)
+    codes, absmax = jnp.asarray(q["nf4_codes"]), jnp.asarray(q["nf4_absmax"])
+    np.testing.assert_array_equal(np.asarray(nf4.dequantize_rows(codes, absmax, n_in, n_out, jnp.float32)), want)
+    if n_in % nf4.BLOCK:
+        return
+    for dtype, rtol in ((jnp.float32, 0), (jnp.bfloat16, 3 * 2.0**-8)):
+        even, odd = nf4.dequantize_halves(codes, absmax, n_in, n_out, dtype)
+        assert even.dtype == odd.dtype == dtype and even.shape == odd.shape == (n_out, n_in // 2)
+        np.testing.assert_allclose(np.asarray(even, np.float32), want[:, 0::2], rtol=rtol, atol=0)
+        np.testing.assert_allclose(np.asarray(odd, np.float32), want[:, 1::2], rtol=rtol, atol=0)
 
 
 def test_a_tpu_dequantises_without_padded_temporaries():
-    """Compiled for a TPU (libtpu, compile-only), the row lookup holds about its output; the pair lookup's
-    (n, 2) array is laid out with its last dimension padded to 128 lanes: 64x its size."""
+    """Compiled for a TPU (libtpu, compile-only), the halves hold at most their bf16 output beyond it; the
+    pair lookup's (n, 2) array is laid out with its last dimension padded to 128 lanes: 64x its size."""
     from jax.sharding import SingleDeviceSharding
 
     from slm.memory.targets import load_target
@@ -65,17 +72,16 @@ def test_a_tpu_dequantises_without_padded_temporaries():
     device = SingleDeviceSharding(target_devices(load_target("v5e-1"))[0])
     args = (jax.ShapeDtypeStruct((n_in * n_out // 2,), jnp.uint8, sharding=device),
             jax.ShapeDtypeStruct((n_in * n_out // nf4.BLOCK,), jnp.float32, sharding=device))
-    temps = {}
-    for layout in ("pairs", nf4.layout_for("tpu")):
-        f = jax.jit(lambda c, a: nf4.dequantize_rows(c, a, n_in, n_out, jnp.bfloat16, layout=layout))  # noqa: B023
-        with compile_only():
-            temps[layout] = f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    with compile_only():
+        pairs = jax.jit(lambda c, a: nf4.dequantize_rows(c, a, n_in, n_out, jnp.bfloat16)).lower(*args).compile()
+        halves = jax.jit(lambda c, a: nf4.dequantize_halves(c, a, n_in, n_out, jnp.bfloat16)).lower(*args).compile()
     output = n_in * n_out * 2
-    assert temps["rows"] <= output and temps["pairs"] > 50 * output, temps
+    temps = [p.memory_analysis().temp_size_in_bytes for p in (pairs, halves)]
+    assert temps[1] <= output and temps[0] > 50 * output, temps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("matmul, platform", [("float32", None), ("bfloat16", None), ("float32", "tpu")])
+@pytest.mark.parametrize("matmul, platform", [("float32", None), ("bfloat16", None), ("float32", "tpu"), ("bfloat16", "tpu")])
 def test_an_nf4_model_computes_what_its_dequantised_weights_compute(matmul, platform):
     shape = ModelShape(vocab_size=128, n_layers=2, d_model=64, n_heads=4, d_ff=96, n_kv_heads=2, qkv_bias=True)
     lora = LoraSpec(4, targets=("q_proj", "v_proj", "down_proj"))
@@ -83,10 +89,14 @@ def test_an_nf4_model_computes_what_its_dequantised_weights_compute(matmul, plat
     params = jax.tree_util.tree_map_with_path(  # B off zero, so the adapters' gradients flow everywhere
         lambda p, x: np.asarray(x) + 0.01 * ("lora_b" in jax.tree_util.keystr(p)), init_params(plain, 0, 16))
     quantized = nf4.quantize_params(params)
-    dequantized = nf4.dequantize_params(quantized, shape)
+    # a TPU's bf16 step dequantises in bf16 (three roundings a weight, checked against numpy above): the plain
+    # model gets those very weights, so what is compared is the halves' products and their gradients
+    dequantized = (halves_dequantized if matmul == "bfloat16" and platform == "tpu" else nf4.dequantize_params)(
+        quantized, shape)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)), jnp.int32)
-    held = Transformer(shape, lora=lora, matmul=matmul, nf4=True, platform=platform)  # "tpu": the row lookup
-    tol = 0 if matmul == "float32" else 5e-3  # bf16: the plain model rounds the kernel, the nf4 one its levels
+    held = Transformer(shape, lora=lora, matmul=matmul, nf4=True, platform=platform)  # "tpu": the halves
+    # bf16: the plain model rounds the kernel, the nf4 one its levels; a TPU's halves sum two half-width products
+    tol = 5e-3 if matmul == "bfloat16" else 1e-6 if platform == "tpu" else 0
     assert np.abs(held.apply({"params": quantized}, ids) - plain.apply({"params": dequantized}, ids)).max() <= tol
 
     def loss(adapters, base, model):
@@ -96,6 +106,21 @@ def test_an_nf4_model_computes_what_its_dequantised_weights_compute(matmul, plat
     got, want = jax.grad(loss)(aq, bq, held), jax.grad(loss)(ad, bd, plain)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-3 if matmul == "bfloat16" else 1e-5, atol=1e-6)
+
+
+def halves_dequantized(params: dict, shape: ModelShape) -> dict:
+    """dequantize_params with each kernel the bf16 halves' weights, interleaved back to (in, out), as float32
+    (a kernel whose `in` is no multiple of the block is the pairs' there too)."""
+    out, kernels = nf4.dequantize_params(params, shape), nf4.kernel_shapes(shape).items()
+    for name, block in params.items():
+        for (part, kernel), (n_in, n_out) in kernels if name.startswith("block_") else ():
+            if n_in % nf4.BLOCK:
+                continue
+            q = block[part][kernel]
+            halves = nf4.dequantize_halves(jnp.asarray(q["nf4_codes"]), jnp.asarray(q["nf4_absmax"]), n_in, n_out,
+                                           jnp.bfloat16)
+            out[name][part][kernel]["kernel"] = jnp.stack(halves, -1).reshape(n_out, n_in).T.astype(jnp.float32)
+    return out
 
 
 def test_the_step_never_holds_the_base_dequantised():
