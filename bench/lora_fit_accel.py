@@ -1,4 +1,4 @@
-"""The LoRA step's activation coefficients for a GPU target, fitted to XLA:GPU's own buffer assignment, from this CPU.
+"""The LoRA step's activation coefficients for a GPU or TPU target, fitted to its compiler's own buffer assignment, from this CPU.
 
     .venv/bin/python bench/lora_fit_accel.py collect --out bench/out/lora_gpu.jsonl     # ~190 compiles, ~40 min
     .venv/bin/python bench/lora_fit_accel.py fit bench/out/lora_gpu.jsonl [--verbose]
@@ -16,8 +16,9 @@ known), then tokens x logit columns (XLA:CPU's loop beyond them, CHUNKED_BYTES_P
 XLA:GPU's: with it as known the worst error doubles), a constant, and the base's casts: a float base whose dtype
 is not the compute dtype as its largest kernel and as its blocks (every layer's, one with remat) in the compute
 dtype (a 16-bit base's and a float32 one's apart: XLA keeps more of the narrowing cast), an nf4 base as its
-largest kernel dequantised. Relative least squares, non-negative; prints the coefficients (a, b, c, e, 0, k), the
-casts' (16-bit kernels, blocks, float32 kernels, blocks, nf4 kernels) and the worst error on the peak.
+largest kernel dequantised, and a float base's tied embedding cast whole as the head (libtpu does, whatever the
+loss's chunk). Relative least squares, non-negative; prints the coefficients (a, b, c, e, 0, k), the
+casts' (16-bit kernels, blocks, float32 kernels, blocks, nf4 kernels, tied head) and the worst error on the peak.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def columns(r: dict) -> tuple[list[float], float]:
     cast = r["dtype"] not in ("nf4", "bfloat16" if r["mixed"] else "float32")  # a float base cast to the compute dtype
     wide, nf4, layers = r["dtype"] == "float32", r["dtype"] == "nf4", 1 if r["remat"] else L
     casts = [cast * (not wide) * kernel * cb, cast * (not wide) * block * cb * layers,  # a 16-bit base's
-             cast * wide * kernel * cb, cast * wide * block * cb * layers, nf4 * kernel * cb]  # a float32's, nf4's
+             cast * wide * kernel * cb, cast * wide * block * cb * layers, nf4 * kernel * cb,  # a float32's, nf4's
+             cast * shape.tie_embeddings * shape.vocab_size * D * cb]  # a tied head cast whole
     platform = load_target(r.get("target", "h100-80gb")).platform
     V, keys = logit_columns(r["V"], None, platform), S if platform == "gpu" else visible_keys(S)  # a TPU: blocked
     if r["remat"]:

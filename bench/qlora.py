@@ -3,12 +3,17 @@ each base (same data and steps, several seeds) and their step times, in one sitt
 
     .venv/bin/python bench/qlora.py                      # 4M-param base, 300 pretraining steps, LoRA 150 steps, seeds 0 1
     .venv/bin/python bench/qlora.py --base-steps 600 --lora-steps 300 --seeds 0,1,2
+    .venv/bin/python bench/qlora.py --decode smollm2-135m   # the sampler's ms a token: NF4's two lookups
 
 The base is pretrained here (tinystories, from scratch) and exported as a LlamaForCausalLM folder, so NF4 meets
 trained weights, not a random init. LoRA r16 on every projection then fine-tunes it on tinyshakespeare
 (another domain), evaluated on tinyshakespeare_val, once per base dtype and seed. Prints the host's CPU
 model, the quantisation error, each arm's eval loss and median step time, and the largest gap between the
 two arms' training-loss curves against the seed-to-seed gap of the bfloat16 arm.
+
+`--decode MODEL`: the KV-cache sampler (slm.model.generate.Decoder) of a QLoRA run at a ../shared/models
+config's shape (random weights, r16 on q_proj,v_proj), greedy, 48 tokens a round, with the NF4 kernels
+dequantised by the pair lookup and by the halves (slm.model.nf4.layout_for), rounds alternated: median ms a token.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -74,6 +80,38 @@ def lora_run(tmp: str, folder: str, dtype: str, seed: int, steps: int) -> tuple[
     return s, losses, statistics.median(times) if times else float("nan")
 
 
+def decode_speed(model_dir: str, rounds: int = 3, tokens: int = 48) -> None:
+    from slm.train.devices import import_jax_quietly
+
+    import_jax_quietly()
+    import jax
+
+    from slm.memory.finetune import model_shape
+    from slm.model import decode, nf4
+    from slm.model.generate import Decoder, generate_ids
+    from slm.model.lora import LoraSpec, merge, split
+    from slm.model.transformer import Transformer, init_params
+
+    shape = model_shape(os.path.join(ROOT, "..", "shared", "models", model_dir))
+    lora = LoraSpec(16, 32.0, 0.0, ("q_proj", "v_proj"))
+    base, adapters = split(jax.tree.map(np.asarray, init_params(Transformer(shape, lora=lora), 0, 8)))
+    held, model = merge(nf4.quantize_params(base), adapters), Transformer(shape, lora=lora, nf4=True)
+    decoders, times = {}, {"pairs": [], "halves": []}
+    for layout in times:  # the decoder's layout is chosen when it traces: each Decoder compiles its own
+        decode.layout_for = lambda platform, decoding=False, layout=layout: layout
+        decoders[layout] = Decoder(model)
+        generate_ids(model, held, [1, 2, 3, 4], 4, decoder=decoders[layout])
+    for _ in range(rounds):
+        for layout, d in decoders.items():
+            t = time.perf_counter()
+            generate_ids(model, held, [1, 2, 3, 4], tokens, decoder=d, temperature=0.0)
+            times[layout].append((time.perf_counter() - t) / tokens * 1e3)
+    pairs, halves = (statistics.median(times[k]) for k in ("pairs", "halves"))
+    rounds_ms = {k: ", ".join(f"{x:.1f}" for x in v) for k, v in times.items()}
+    print(f"{model_dir} QLoRA sampler, {jax.default_backend()}: pairs {pairs:.1f} ms a token, halves {halves:.1f} "
+          f"(pairs / halves {pairs / halves:.2f}x; rounds: pairs {rounds_ms['pairs']}, halves {rounds_ms['halves']})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target-params", type=int, default=4_000_000)
@@ -81,9 +119,12 @@ def main() -> None:
     p.add_argument("--lora-steps", type=int, default=150)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--base", default=None, metavar="DIR", help="a base folder from an earlier run (skips pretraining)")
+    p.add_argument("--decode", default=None, metavar="MODEL", help="time the sampler's NF4 lookups instead")
     a = p.parse_args()
+    print(f"host: {cpu_model()}, {time.strftime('%Y-%m-%d')}")
+    if a.decode:
+        return decode_speed(a.decode)
     tmp = tempfile.mkdtemp(prefix="qlora_")
-    print(f"host: {cpu_model()}")
     folder = a.base or pretrained_base(tmp, a.target_params, a.base_steps)
     print(quantisation_error(folder))
     curves: dict = {}

@@ -25,14 +25,17 @@ On XLA:CPU every bfloat16/float16 dot runs in float32 (bf16 is emulated), so a b
 or any base under mixed precision, gets float32 copies of all its matmul weights, held for the whole
 step, remat or not (CAST_CPU, fitted). On a GPU, XLA:GPU's own compile decides (LORA_ACCEL_CASTS, fitted to
 its buffer assignment): a 16-bit base keeps about one kernel's copy at a time, a float32 base under mixed
-precision most of its bf16 blocks, an nf4 base one kernel dequantised. On a TPU (assumed, not fitted) only a
-base whose dtype differs from the compute dtype is cast: all layers' copies are held without remat, one
-layer's with it (a block's casts are recomputed in its backward), and the head's copy always.
+precision most of its bf16 blocks, an nf4 base one kernel dequantised. On a TPU with remat under mixed
+precision libtpu's compile decides the same way (fitted: a float32 base about half a block's copy and its tied
+embedding cast whole, an nf4 base ~3 kernels' worth of its dequantisation). Elsewhere on a TPU (assumed, not
+fitted) only a base whose dtype differs from the compute dtype is cast: all layers' copies are held without
+remat, one layer's with it (a block's casts are recomputed in its backward), and the head's copy always.
 
 Gradient checkpointing on an accelerator is modelled as it is meant to work: each block's input kept
 (D x compute bytes per token per layer) plus one block's activations while it is recomputed. XLA:CPU
 keeps recomputed activations live (docs/memory.md), so on CPU the fitted remat coefficients apply. On a
-GPU the activations' terms are XLA:GPU's own (LORA_ACCEL_COEFFICIENTS), on a TPU still XLA:CPU's.
+GPU the activations' terms are XLA:GPU's own (LORA_ACCEL_COEFFICIENTS); on a TPU libtpu's with remat under
+mixed precision, else still XLA:CPU's.
 On an accelerator GPU_RUNTIME_MB is added to the device total.
 
 An nf4 base is dequantised per matmul and again for its backward (slm.model.nf4.nf4_linear), so no block
@@ -98,7 +101,7 @@ GEMMA_BLOCK_BYTES = {4: (19.7, 3.4), 2: (10.0, 3.6)}
 # LoRA on a GPU: (a, b, c, e, t, k) as estimate.ACCEL_COEFFICIENTS (without remat per layer and token; with it
 # one block's, beside every other block's input), keyed (remat, mixed precision); and the base's copies in the
 # compute dtype (LORA_ACCEL_CASTS: kernels, blocks of a 16-bit base; kernels, blocks of a float32 one; nf4
-# kernels): a float base whose dtype is not the compute dtype as its largest kernel and its blocks (every layer's,
+# kernels; a float base's tied head): a float base whose dtype is not the compute dtype as its largest kernel and its blocks (every layer's,
 # one with remat), an nf4 base as its largest kernel dequantised. Fitted to XLA:GPU's buffer assignment for a
 # compile-only H100 (bench/lora_fit_accel.py, 2026-11-27, jax 0.10.2: 4 shapes x 2/4 layers x float32/bf16/nf4
 # bases, float16 on two, x seq 512 x 1 / 1,024 x 2: 56 compiles a key; worst error 6.6%, 6.4%, 6.8%, and 13.7%
@@ -112,8 +115,16 @@ LORA_ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] =
             (True, False): (43.35, 17.15, 1.490, 0.88, 0.0, 4.9 * 2**20),
             (True, True): (25.27, 0.96, 0.0, 5.16, 0.0, 0.0)},
 }
-LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70), (False, True): (0.39, 0.0, 0.50, 0.87, 0.66),
-                            (True, False): (0.15, 0.0, 0.0, 0.0, 0.93), (True, True): (0.0, 0.17, 0.0, 0.67, 0.90)}}
+# On a TPU, libtpu's own (remat under mixed precision only, the default there; others fall back to the CPU's):
+# fitted to its compile for a v5e chip (bench/lora_fit_accel.py, 2026-11-28, libtpu 0.0.42.1: SmolLM2-135M,
+# Qwen2.5-0.5B and Mistral-7B at 2 and 4 layers x float32/bf16/nf4 bases x seq 512 x 1 / 1,024 x 2, 36 compiles;
+# worst 25%, 27 within 10%: at 512 tokens libtpu holds more than at 2,048 on some shapes, which no term in
+# the tokens follows). A float base's tied embedding is cast whole for the head there (the casts' sixth term).
+LORA_ACCEL_COEFFICIENTS["tpu"] = {(True, True): (23.26, 0.0, 0.0, 0.0, 0.0, 47.0 * 2**20)}
+LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
+                            (False, True): (0.39, 0.0, 0.50, 0.87, 0.66, 0.0),
+                            (True, False): (0.15, 0.0, 0.0, 0.0, 0.93, 0.0), (True, True): (0.0, 0.17, 0.0, 0.67, 0.90, 0.0)},
+                    "tpu": {(True, True): (0.0, 0.0, 0.0, 0.47, 3.26, 0.76)}}
 # With an nf4 base XLA:CPU holds 0.82-0.99x the activations the coefficients give (5 shapes at 2 and 4 layers:
 # smollm2 0.82, qwen2.5 0.85, llama-3.2-1b 0.98, tinyllama 0.99); the middle of that range.
 NF4_ACTIVATIONS = 0.9
@@ -203,14 +214,15 @@ def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, r
     block, head = matmul_weights(shape)
     compute = "bfloat16" if mixed_precision else "float32"
     if (remat, mixed_precision) in LORA_ACCEL_CASTS.get(platform, {}):  # the target compiler's own fit
-        k16, b16, k32, b32, nf4_kernels = LORA_ACCEL_CASTS[platform][(remat, mixed_precision)]
+        k16, b16, k32, b32, nf4_kernels, tied = LORA_ACCEL_CASTS[platform][(remat, mixed_precision)]
         cast = base_dtype not in ("nf4", compute)
         kernels, blocks = (k32, b32) if base_dtype == "float32" else (k16, b16)
         held = "bfloat16" if base_dtype == "nf4" else base_dtype  # nf4 keeps its embedding and head in bf16
         # a head wider than the loss's chunk is cast a chunk at a time; an unchunked one whole (not measured: every
         # fitted vocabulary is chunked on a GPU)
         whole_head = head if held != compute and not chunked_loss else 0
-        copies = (cast * (kernels * largest_kernel(shape) + blocks * (1 if remat else shape.n_layers) * block)
+        copies = (cast * (kernels * largest_kernel(shape) + blocks * (1 if remat else shape.n_layers) * block
+                          + tied * shape.tie_embeddings * shape.vocab_size * shape.d_model)
                   + (base_dtype == "nf4") * nf4_kernels * largest_kernel(shape))
         return int(DTYPE_BYTES[compute] * (copies + whole_head))
     if base_dtype == "nf4":  # the head as a bfloat16 base's, and one block kernel dequantised at a time

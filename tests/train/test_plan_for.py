@@ -194,3 +194,34 @@ def test_the_lora_arithmetic_for_a_gpu_is_within_10_percent_of_xlas_compile(tmp_
     est = device_breakdown(shape, 768, 1, mixed_precision=mixed, gradient_checkpointing=remat,
                            finetune=Finetune(8, targets, base), platform="gpu")
     assert est["total"] - est["runtime"] == pytest.approx(xla, rel=0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base", ["float32", "nf4"])
+def test_the_lora_arithmetic_for_a_tpu_is_within_10_percent_of_xlas_compile(base):
+    """The same held-out LoRA step (Llama-3.2-1B's shape at 3 layers, seq 768 x 1, r8 on q,k,v,o) with remat
+    under mixed precision, against libtpu's compile for a v5e chip: slm.memory.finetune's TPU terms were fitted
+    on other shapes (SmolLM2-135M, Qwen2.5-0.5B, Mistral-7B). On XLA:CPU's terms, which a TPU's LoRA was
+    planned on before, the fitted shapes were -46% .. +159% off (2026-11-28: -0.5% float32, -9.5% nf4 here)."""
+    import dataclasses
+
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from slm.memory.estimate import device_breakdown
+    from slm.memory.finetune import Finetune, model_shape
+    from slm.memory.targets import load_target
+    from slm.model.lora import LoraSpec
+    from slm.train.aot import compile_only, target_devices
+    from slm.train.builder import StepSpec, build, compile_step, compiled_peak
+
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    shape = dataclasses.replace(model_shape(ROOT.parent / "shared" / "models" / "llama-3.2-1b"), n_layers=3)
+    spec = StepSpec(shape, 768, 1, 1, True, True, lora=LoraSpec(8, 16.0, 0.0, targets), base_dtype=base,
+                    platform="tpu")
+    with compile_only():
+        xla = compiled_peak(compile_step(build(spec, Mesh(np.array(target_devices(load_target("v5e-1"))[:1]),
+                                                           ("data",))))[0])
+    est = device_breakdown(shape, 768, 1, mixed_precision=True, gradient_checkpointing=True,
+                           finetune=Finetune(8, targets, base), platform="tpu")
+    assert est["total"] - est["runtime"] == pytest.approx(xla, rel=0.1)
