@@ -1,4 +1,4 @@
-"""The LoRA step's activation coefficients for a GPU or TPU target, fitted to its compiler's own buffer assignment, from this CPU.
+"""The LoRA step's memory terms for a GPU or TPU target, fitted to its compiler's buffer assignment, from this CPU.
 
     .venv/bin/python bench/lora_fit_accel.py collect --out bench/out/lora_gpu.jsonl     # ~190 compiles, ~40 min
     .venv/bin/python bench/lora_fit_accel.py fit bench/out/lora_gpu.jsonl [--verbose]

@@ -123,7 +123,8 @@ LORA_ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] =
 LORA_ACCEL_COEFFICIENTS["tpu"] = {(True, True): (23.26, 0.0, 0.0, 0.0, 0.0, 47.0 * 2**20)}
 LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
                             (False, True): (0.39, 0.0, 0.50, 0.87, 0.66, 0.0),
-                            (True, False): (0.15, 0.0, 0.0, 0.0, 0.93, 0.0), (True, True): (0.0, 0.17, 0.0, 0.67, 0.90, 0.0)},
+                            (True, False): (0.15, 0.0, 0.0, 0.0, 0.93, 0.0),
+                            (True, True): (0.0, 0.17, 0.0, 0.67, 0.90, 0.0)},
                     "tpu": {(True, True): (0.0, 0.0, 0.0, 0.47, 3.26, 0.76)}}
 # With an nf4 base XLA:CPU holds 0.82-0.99x the activations the coefficients give (5 shapes at 2 and 4 layers:
 # smollm2 0.82, qwen2.5 0.85, llama-3.2-1b 0.98, tinyllama 0.99); the middle of that range.

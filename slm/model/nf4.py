@@ -156,7 +156,8 @@ def _bwd(n_out: int, dtype: Any, bf16: bool, layout: str, res: tuple, g: jax.Arr
     levels, wd, n_in, last = _after(g), jnp.bfloat16 if bf16 else dtype, x_tag.shape[1], g.ndim - 1
     if layout == "halves" and n_in % BLOCK == 0:  # dequantised again, here, once g exists (see _after)
         even, odd = dequantize_halves(codes, absmax, n_in, n_out, wd, levels)
-        dx = jnp.stack([_dot(g, last, even, 0, bf16), _dot(g, last, odd, 0, bf16)], axis=-1).reshape(*g.shape[:-1], n_in)
+        dx = jnp.stack([_dot(g, last, even, 0, bf16), _dot(g, last, odd, 0, bf16)], axis=-1)
+        dx = dx.reshape(*g.shape[:-1], n_in)  # the even and the odd inputs' gradients interleaved back
     else:
         dx = _dot(g, last, dequantize_rows(codes, absmax, n_in, n_out, wd, levels), 0, bf16)
     return dx.astype(x_tag.dtype), np.zeros(codes.shape, jax.dtypes.float0), jnp.zeros_like(absmax)

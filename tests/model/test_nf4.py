@@ -81,7 +81,8 @@ def test_a_tpu_dequantises_without_padded_temporaries():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("matmul, platform", [("float32", None), ("bfloat16", None), ("float32", "tpu"), ("bfloat16", "tpu")])
+@pytest.mark.parametrize("matmul, platform", [("float32", None), ("bfloat16", None), ("float32", "tpu"),
+                                              ("bfloat16", "tpu")])
 def test_an_nf4_model_computes_what_its_dequantised_weights_compute(matmul, platform):
     shape = ModelShape(vocab_size=128, n_layers=2, d_model=64, n_heads=4, d_ff=96, n_kv_heads=2, qkv_bias=True)
     lora = LoraSpec(4, targets=("q_proj", "v_proj", "down_proj"))
