@@ -59,8 +59,8 @@ def quantize(kernel_IxO: np.ndarray, chunk: int = 1 << 14) -> dict[str, np.ndarr
 
 def layout_for(platform: str, decoding: bool = False) -> str:
     """How a backend dequantises (nf4_linear's `layout`): "halves" (dequantize_halves) on a TPU, and in the CPU's
-    KV-cache decoder, where the selects vectorise and the pair lookup's gather is a scalar loop: 54 against
-    132 ms a token for SmolLM2-135M's QLoRA sampler (2-core EPYC, one core each, 2026-11-28), the same 6.8 MB of
+    KV-cache decoder, where the selects vectorise and the pair lookup's gather is a scalar loop: SmolLM2-135M's
+    QLoRA sampler 1.97x faster a token (2-core EPYC, 2026-11-28, bench/qlora.py --decode), the same 6.8 MB of
     XLA:CPU temporaries. "pairs" (dequantize_rows) elsewhere: the CPU's and a GPU's training memory terms and
     speeds, and a GPU's sampler on real cards, were measured with the pair lookup."""
     return "halves" if platform == "tpu" or (decoding and platform == "cpu") else "pairs"
@@ -118,6 +118,11 @@ def nf4_linear(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dt
     return _forward(x, codes, absmax, n_out, dtype, bf16, layout)
 
 
+def _in_halves(layout: str, n_in: int) -> bool:
+    """Whether a kernel of `n_in` inputs is dequantised in halves (a block never spans two rows)."""
+    return layout == "halves" and n_in % BLOCK == 0
+
+
 def _dot(a: jax.Array, a_dim: int, w: jax.Array, w_dim: int, bf16: bool) -> jax.Array:
     if bf16:
         return contract_f32(a.astype(jnp.bfloat16), (a_dim,), w, (w_dim,))
@@ -127,7 +132,7 @@ def _dot(a: jax.Array, a_dim: int, w: jax.Array, w_dim: int, bf16: bool) -> jax.
 def _forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dtype: Any, bf16: bool,
              layout: str) -> jax.Array:
     levels, wd, last = _after(x), jnp.bfloat16 if bf16 else dtype, x.ndim - 1
-    if layout == "halves" and x.shape[-1] % BLOCK == 0:  # two half-width products: the weights never interleaved
+    if _in_halves(layout, x.shape[-1]):  # two half-width products: the weights never interleaved
         even, odd = dequantize_halves(codes, absmax, x.shape[-1], n_out, wd, levels)
         return (_dot(x[..., 0::2], last, even, 1, bf16) + _dot(x[..., 1::2], last, odd, 1, bf16)).astype(dtype)
     return _dot(x, last, dequantize_rows(codes, absmax, x.shape[-1], n_out, wd, levels), 1, bf16).astype(dtype)
@@ -154,7 +159,7 @@ def _fwd(x: jax.Array, codes: jax.Array, absmax: jax.Array, n_out: int, dtype: A
 def _bwd(n_out: int, dtype: Any, bf16: bool, layout: str, res: tuple, g: jax.Array) -> tuple:
     codes, absmax, x_tag = res  # x_tag: x's dtype and width, as an empty array
     levels, wd, n_in, last = _after(g), jnp.bfloat16 if bf16 else dtype, x_tag.shape[1], g.ndim - 1
-    if layout == "halves" and n_in % BLOCK == 0:  # dequantised again, here, once g exists (see _after)
+    if _in_halves(layout, n_in):  # dequantised again, here, once g exists (see _after)
         even, odd = dequantize_halves(codes, absmax, n_in, n_out, wd, levels)
         dx = jnp.stack([_dot(g, last, even, 0, bf16), _dot(g, last, odd, 0, bf16)], axis=-1)
         dx = dx.reshape(*g.shape[:-1], n_in)  # the even and the odd inputs' gradients interleaved back
