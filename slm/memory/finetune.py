@@ -98,17 +98,16 @@ QK_NORM_BYTES = 14.0
 # at float32 with SwiGLU: the norms; under mixed precision GeGLU's). Without it the full-depth Gemma-3-1B
 # estimate was -11..-13% of XLA's (2026-11-27).
 GEMMA_BLOCK_BYTES = {4: (19.7, 3.4), 2: (10.0, 3.6)}
-# LoRA on a GPU: (a, b, c, e, t, k) as estimate.ACCEL_COEFFICIENTS (without remat per layer and token; with it
-# one block's, beside every other block's input), keyed (remat, mixed precision); and the base's copies in the
-# compute dtype (LORA_ACCEL_CASTS: kernels, blocks of a 16-bit base; kernels, blocks of a float32 one; nf4
-# kernels; a float base's tied head): a float base whose dtype is not the compute dtype as its largest kernel
-# and its blocks (every layer's, one with remat), an nf4 base as its largest kernel dequantised. Fitted to
-# XLA:GPU's buffer assignment for a compile-only H100 (bench/lora_fit_accel.py, 2026-11-27, jax 0.10.2: 4 shapes x 2/4 layers x float32/bf16/nf4
-# bases, float16 on two, x seq 512 x 1 / 1,024 x 2: 56 compiles a key; worst error 6.6%, 6.4%, 6.8%, and 13.7%
-# with remat under mixed precision, where an nf4 kernel's dequantisation overlaps the activations' peak on some
-# shapes and not others). XLA:GPU fuses most casts into the matmuls (it keeps the narrowing float32-to-bf16
-# copies, not a 16-bit base's) and runs the backward on far fewer temporaries than XLA:CPU: LORA_COEFFICIENTS'
-# figures had been +0% .. +401% over its peak.
+# LoRA on a GPU: (a, b, c, e, t, k) as estimate.ACCEL_COEFFICIENTS (without remat per layer and token; with it one
+# block's, beside every other block's input), keyed (remat, mixed precision); and the base's copies in the compute dtype
+# (LORA_ACCEL_CASTS: kernels, blocks of a 16-bit base; kernels, blocks of a float32 one; nf4 kernels; a float base's
+# tied head): a float base whose dtype is not the compute dtype as its largest kernel and its blocks (every layer's, one
+# with remat), an nf4 base as its largest kernel dequantised. Fitted to XLA:GPU's buffer assignment for a compile-only
+# H100 (bench/lora_fit_accel.py, 2026-11-27, jax 0.10.2: 4 shapes x 2/4 layers x float32/bf16/nf4 bases, float16 on two,
+# x seq 512 x 1 / 1,024 x 2: 56 compiles a key; worst error 6.6%, 6.4%, 6.8%, and 13.7% with remat under mixed
+# precision, where an nf4 kernel's dequantisation overlaps the activations' peak on some shapes and not others). XLA:GPU
+# fuses most casts into the matmuls (it keeps the narrowing float32-to-bf16 copies, not a 16-bit base's) and runs the
+# backward on far fewer temporaries than XLA:CPU: LORA_COEFFICIENTS' figures had been +0% .. +401% over its peak.
 LORA_ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] = {
     "gpu": {(False, False): (52.85, 7.40, 0.824, 6.50, 0.0, 5.7 * 2**20),
             (False, True): (15.75, 3.94, 0.0, 5.52, 0.0, 8.9 * 2**20),
