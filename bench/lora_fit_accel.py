@@ -2,12 +2,16 @@
 
     .venv/bin/python bench/lora_fit_accel.py collect --out bench/out/lora_gpu.jsonl     # ~190 compiles, ~40 min
     .venv/bin/python bench/lora_fit_accel.py fit bench/out/lora_gpu.jsonl [--verbose]
+    .venv/bin/python bench/lora_fit_accel.py collect --target v5e-8 --devices 8 --layers 2,8 --only True,True \
+        --dtypes bfloat16,nf4 --models tinyllama-1.1b,llama-3.2-1b,qwen2.5-0.5b,mistral-7b-v0.1 --out F   # ~30 min
+    .venv/bin/python bench/lora_fit_accel.py fit F      # the base split over the chips (FSDP): TPU_FSDP_LORA
 
 `collect`: the trainer's LoRA train step (r16 on q_proj,v_proj, AdamW; slm.train.builder) compiled for one
 compile-only device of the target (--plan-for's, slm.train.aot) at SmolLM2-135M's, Qwen2.5-0.5B's, TinyLlama's
 and Mistral-7B's shapes cut to 2 and 4 layers, float32, bfloat16 and nf4 bases, seq 512 x 1 and 1,024 x 2, each
 of (remat, mixed precision): one JSON line per compile with XLA's peak and the estimate's parts. A file already
-holding some lines is continued.
+holding some lines is continued. `--devices N`: the base split over N chips of the target (FSDP), a micro-batch
+of B sequences on each; `fit` then fits fsdp_columns (what libtpu holds beyond each chip's shard).
 
 `fit`: per (remat, mixed precision), what XLA holds beyond the state (base, adapters, their gradients and AdamW
 moments: exact) against the columns of slm.memory.finetune.backward_bytes' accelerator path: without remat
@@ -55,7 +59,8 @@ def collect(a: argparse.Namespace) -> None:
 
     start_backend()
     target = load_target(a.target)
-    mesh = Mesh(np.array(target_devices(target)[:1]), ("data",))
+    n = a.devices  # > 1: the base split over that many chips (FSDP), a micro-batch of B on each
+    mesh = Mesh(np.array(target_devices(target)[:n]), ("data",))
     done = set()
     if os.path.exists(a.out):
         with open(a.out) as f:
@@ -64,24 +69,25 @@ def collect(a: argparse.Namespace) -> None:
     with open(a.out, "a") as out:
         for m in a.models.split(","):
             full = model_shape(os.path.join(MODELS, m))
-            for L in (2, 4):
+            for L in [int(x) for x in a.layers.split(",")]:
                 shape = dataclasses.replace(full, n_layers=L)
                 for dtype in a.dtypes.split(","):
                     for remat, mixed in [st for st in SETTINGS if not a.only or a.only == f"{st[0]},{st[1]}"]:
                         for B, S in FIT_TOKENS:
                             rec = dict(model=m, L=L, D=shape.d_model, F=shape.d_ff, H=shape.n_heads,
                                        KV=shape.kv_heads, hd=shape.head_dim, V=shape.vocab_size, dtype=dtype,
-                                       remat=remat, mixed=mixed, B=B, S=S, target=target.name)
+                                       remat=remat, mixed=mixed, B=B, S=S, target=target.name, devices=n)
                             if key(rec) in done:
                                 continue
-                            spec = StepSpec(shape, S, B, 1, mixed, remat, optimizer="adamw", base_dtype=dtype,
+                            spec = StepSpec(shape, S, B * n, 1, mixed, remat, sharding="fsdp" if n > 1 else "dp",
+                                            optimizer="adamw", base_dtype=dtype,
                                             lora=LoraSpec(16, 32.0, 0.0, ("q_proj", "v_proj")), platform=target.platform)
                             t = time.time()
                             with compile_only():
                                 rec["xla"] = compiled_peak(compile_step(build(spec, mesh))[0])
                             rec["est"] = device_breakdown(shape, S, B, mixed_precision=mixed, gradient_checkpointing=remat,
                                                           finetune=Finetune(16, ("q_proj", "v_proj"), dtype),
-                                                          platform=target.platform)
+                                                          platform=target.platform, devices=n, fsdp=n > 1)
                             out.write(json.dumps(rec) + "\n")
                             out.flush()
                             print(f"{m} L{L} {dtype} remat {remat} mixed {mixed} {B}x{S}: XLA {rec['xla'] / MB:,.0f} MB "
@@ -89,7 +95,7 @@ def collect(a: argparse.Namespace) -> None:
 
 
 def key(r: dict) -> tuple:
-    return r["model"], r["L"], r["dtype"], r["remat"], r["mixed"], r["B"], r["S"]
+    return r["model"], r["L"], r["dtype"], r["remat"], r["mixed"], r["B"], r["S"], r.get("devices", 1)
 
 
 def columns(r: dict) -> tuple[list[float], float]:
@@ -120,12 +126,32 @@ def state(r: dict) -> int:
     return e["base_params"] + e["params"] + e["gradients"] + e["optimizer_state"] + e["accumulation"]
 
 
+def fsdp_columns(r: dict) -> tuple[list[float], float]:
+    """(the fitted columns, the known part) of one compile with the base split over r["devices"] chips: every
+    block's base shard again (nf4 codes, else 16-bit), one block gathered (16-bit), a tied embedding gathered
+    (16-bit), an untied head gathered, the base's casts of a shard (nf4's, a float32 base's), the tokens of all the
+    chips x D (the activations libtpu gathers over them); known: the state's shard, the activations and logits."""
+    from slm.memory.finetune import NF4_BYTES, base_cast_bytes, matmul_weights, model_shape
+
+    n, T, dtype, cb = r["devices"], r["B"] * r["S"], r["dtype"], 2 if r["mixed"] else 4
+    shape = dataclasses.replace(model_shape(os.path.join(MODELS, r["model"])), n_layers=r["L"])
+    block, embedding = matmul_weights(shape)[0], shape.vocab_size * shape.d_model * 2
+    casts = base_cast_bytes(shape, dtype, r["mixed"], r["remat"], "tpu", True) / n
+    cols = [shape.n_layers * block * (NF4_BYTES if dtype == "nf4" else 2) / n, 2 * block,
+            shape.tie_embeddings * embedding, (1 - shape.tie_embeddings) * embedding,
+            (dtype == "nf4") * casts, (dtype == "float32") * casts, T * n * shape.d_model * cb,
+            (dtype == "nf4") * shape.n_layers * T * shape.d_model * cb]
+    return cols, state(r) + r["est"]["activations"] + r["est"]["logits"]
+
+
 def fit(a: argparse.Namespace) -> None:
     import numpy as np
     from plan_for_xla import relative_nnls  # bench/, beside this script
 
     with open(a.data) as f:
         recs = [json.loads(line) for line in f]
+    if any(r.get("devices", 1) > 1 for r in recs):
+        return fit_fsdp(a, [r for r in recs if r.get("devices", 1) > 1])
     for remat, mixed in SETTINGS:
         rs = [r for r in recs if r["remat"] == remat and r["mixed"] == mixed]
         if not rs:
@@ -145,6 +171,27 @@ def fit(a: argparse.Namespace) -> None:
                 print(f"   {r['model']} L{r['L']} {r['dtype']} {r['B']}x{r['S']}: {e * 100:+.1f}%")
 
 
+def fit_fsdp(a: argparse.Namespace, rs: list[dict]) -> None:
+    """The FSDP columns (fsdp_columns), relative to XLA's whole peak."""
+    import numpy as np
+    from plan_for_xla import relative_nnls  # bench/, beside this script
+
+    X = np.array([fsdp_columns(r)[0] for r in rs])
+    known = np.array([fsdp_columns(r)[1] for r in rs])
+    xla = np.array([r["xla"] for r in rs], float)
+    coef = relative_nnls(X, xla - known, xla)
+    err = (X @ coef + known) / xla - 1
+    today = np.array([(r["est"]["total"] - r["est"].get("runtime", 0)) / r["xla"] - 1 for r in rs])
+    print(f"FSDP over {rs[0]['devices']}: shards {coef[0]:.2f}, block {coef[1]:.2f}, tied {coef[2]:.2f}, untied "
+          f"{coef[3]:.2f}, casts nf4 {coef[4]:.2f} float32 {coef[5]:.2f}, tokens {coef[6]:.2f}, nf4 layer tokens "
+          f"{coef[7]:.2f}; worst "
+          f"{np.abs(err).max() * 100:.1f}% over {len(rs)}, {int((np.abs(err) <= 0.1).sum())} within 10% (the estimate "
+          f"in the file: {today.min() * 100:+.0f}% .. {today.max() * 100:+.0f}%)")
+    if a.verbose:
+        for r, e, t in zip(rs, err, today):
+            print(f"   {r['model']} L{r['L']} {r['dtype']} {r['B']}x{r['S']}: {e * 100:+.1f}% (file {t * 100:+.1f}%)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -153,6 +200,8 @@ def main() -> None:
     c.add_argument("--target", default="h100-80gb")
     c.add_argument("--models", default=",".join(FIT_MODELS))
     c.add_argument("--dtypes", default="float32,bfloat16,nf4")
+    c.add_argument("--layers", default="2,4")
+    c.add_argument("--devices", type=int, default=1, help="> 1: FSDP over that many of the target's chips")
     c.add_argument("--only", default="", help="one (remat, mixed precision) pair, e.g. True,True (as plan_for_xla.py fit)")
     f = sub.add_parser("fit")
     f.add_argument("data")

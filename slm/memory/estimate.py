@@ -78,6 +78,7 @@ from slm.memory.finetune import (
     fsdp_gathered_bytes,
     lora_breakdown,
     model_shape,
+    tpu_fsdp_lora_bytes,
 )
 from slm.model.sizing import (
     ModelShape,
@@ -226,8 +227,13 @@ def device_breakdown(
         for key in ("params", "base_params", "optimizer_state", "accumulation", "update"):
             if key in out:
                 out[key] //= devices
-        out["gathered_params"] = (fsdp_gathered_bytes(shape, finetune.base_dtype, out["base_casts"], devices) if lora
-                                  else 4 * n)
+        if lora and platform == "tpu" and remat and mixed:  # libtpu's own fit (TPU_FSDP_LORA)
+            out["gathered_params"] = tpu_fsdp_lora_bytes(shape, finetune.base_dtype, out["base_casts"], devices,
+                                                         micro_batch * seq_len, 2 if mixed else 4)
+            out["base_casts"] = 0  # a shard's, counted in gathered_params
+        else:
+            out["gathered_params"] = (fsdp_gathered_bytes(shape, finetune.base_dtype, out["base_casts"], devices)
+                                      if lora else 4 * n)
     phases = ("activations", "logits", "base_casts", "update")
     backward = out["activations"] + out["logits"] + out.get("base_casts", 0)
     out["total"] = sum(v for k, v in out.items() if k not in phases) + max(backward, out["update"])

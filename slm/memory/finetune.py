@@ -125,6 +125,15 @@ LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
                             (True, False): (0.15, 0.0, 0.0, 0.0, 0.93, 0.0),
                             (True, True): (0.0, 0.17, 0.0, 0.67, 0.90, 0.0)},
                     "tpu": {(True, True): (0.0, 0.0, 0.0, 0.47, 3.26, 0.76)}}
+# libtpu's LoRA step with its base split over the chips (FSDP; remat under mixed precision), beyond each chip's
+# shard of the state and the activations: every block's base shard again (nf4: its codes, else 16-bit), one block
+# gathered, a tied embedding gathered (16-bit), an untied head, the casts of a shard (nf4's, a float32 base's), the
+# tokens of all the chips x D x compute bytes (libtpu gathers activations over the chips in the backward), and with
+# an nf4 base tokens x layers x D x compute bytes (its per-layer hold grows with the tokens; a bf16 base's does not).
+# Fitted: bench/lora_fit_accel.py collect --target v5e-8 --devices 8 (2026-11-28, libtpu 0.0.42.1: TinyLlama,
+# Llama-3.2-1B, Qwen2.5-0.5B, Mistral-7B at 2 and 8 layers, bf16/nf4 (and TinyLlama float32) bases, 1 x 512 and
+# 2 x 1,024 a chip; 36 compiles, worst 28%, 25 within 10%; were -60% .. +190%, 4 within 10%).
+TPU_FSDP_LORA = (1.41, 0.21, 0.68, 0.0, 0.0, 0.0, 1.97, 4.08)
 # With an nf4 base XLA:CPU holds 0.82-0.99x the activations the coefficients give (5 shapes at 2 and 4 layers:
 # smollm2 0.82, qwen2.5 0.85, llama-3.2-1b 0.98, tinyllama 0.99); the middle of that range.
 NF4_ACTIVATIONS = 0.9
@@ -200,10 +209,25 @@ def base_param_bytes(shape: ModelShape, base_dtype: str) -> int:
 def fsdp_gathered_bytes(shape: ModelShape, base_dtype: str, casts: int, devices: int) -> int:
     """A LoRA step with its base split over `devices` (FSDP) on XLA:CPU: one block's base gathered at a time,
     plus the casts' own shard (each device casts its slice before the gather). Fitted to XLA at abstract
-    shapes, 8 host devices: TinyLlama and Mistral-7B, bf16 and nf4 bases (docs/memory.md)."""
+    shapes, 8 host devices: TinyLlama and Mistral-7B, bf16 and nf4 bases (docs/memory.md). A TPU's differs
+    (tpu_fsdp_lora_bytes)."""
     block, _ = matmul_weights(shape)
     per_weight = NF4_BYTES if base_dtype == "nf4" else DTYPE_BYTES[base_dtype]
     return int(block * per_weight) + casts // devices
+
+
+def tpu_fsdp_lora_bytes(shape: ModelShape, base_dtype: str, casts: int, devices: int, tokens: int,
+                        compute_bytes: int) -> int:
+    """What libtpu holds beyond each chip's shard and the activations in a LoRA step whose base is split over
+    `devices` chips (TPU_FSDP_LORA's terms); `casts`: the one-chip step's base casts, `tokens`: a chip's."""
+    block = matmul_weights(shape)[0]
+    embedding = shape.vocab_size * shape.d_model * 2
+    shards, one, tied, untied, nf4_casts, wide_casts, gathered, nf4_layers = TPU_FSDP_LORA
+    nf4 = base_dtype == "nf4"
+    cast = (nf4_casts if nf4 else wide_casts if base_dtype == "float32" else 0.0) * casts / devices
+    return int(shards * shape.n_layers * block * (NF4_BYTES if nf4 else 2) / devices
+               + one * 2 * block + (tied if shape.tie_embeddings else untied) * embedding + cast
+               + (gathered * devices + nf4 * nf4_layers * shape.n_layers) * tokens * shape.d_model * compute_bytes)
 
 
 def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, remat: bool, platform: str,
