@@ -127,20 +127,13 @@ def state(r: dict) -> int:
 
 
 def fsdp_columns(r: dict) -> tuple[list[float], float]:
-    """(the fitted columns, the known part) of one compile with the base split over r["devices"] chips: every
-    block's base shard again (nf4 codes, else 16-bit), one block gathered (16-bit), a tied embedding gathered
-    (16-bit), an untied head gathered, the base's casts of a shard (nf4's, a float32 base's), the tokens of all the
-    chips x D (the activations libtpu gathers over them); known: the state's shard, the activations and logits."""
-    from slm.memory.finetune import NF4_BYTES, base_cast_bytes, matmul_weights, model_shape
+    """(the fitted columns, slm.memory.finetune.tpu_fsdp_lora_columns, and the known part: the state's shard,
+    the activations and logits) of one compile with the base split over r["devices"] chips."""
+    from slm.memory.finetune import base_cast_bytes, model_shape, tpu_fsdp_lora_columns
 
-    n, T, dtype, cb = r["devices"], r["B"] * r["S"], r["dtype"], 2 if r["mixed"] else 4
     shape = dataclasses.replace(model_shape(os.path.join(MODELS, r["model"])), n_layers=r["L"])
-    block, embedding = matmul_weights(shape)[0], shape.vocab_size * shape.d_model * 2
-    casts = base_cast_bytes(shape, dtype, r["mixed"], r["remat"], "tpu", True) / n
-    cols = [shape.n_layers * block * (NF4_BYTES if dtype == "nf4" else 2) / n, 2 * block,
-            shape.tie_embeddings * embedding, (1 - shape.tie_embeddings) * embedding,
-            (dtype == "nf4") * casts, (dtype == "float32") * casts, T * n * shape.d_model * cb,
-            (dtype == "nf4") * shape.n_layers * T * shape.d_model * cb]
+    casts = base_cast_bytes(shape, r["dtype"], r["mixed"], r["remat"], "tpu", True)
+    cols = tpu_fsdp_lora_columns(shape, r["dtype"], casts, r["devices"], r["B"] * r["S"], 2 if r["mixed"] else 4)
     return cols, state(r) + r["est"]["activations"] + r["est"]["logits"]
 
 
@@ -184,9 +177,9 @@ def fit_fsdp(a: argparse.Namespace, rs: list[dict]) -> None:
     today = np.array([(r["est"]["total"] - r["est"].get("runtime", 0)) / r["xla"] - 1 for r in rs])
     print(f"FSDP over {rs[0]['devices']}: shards {coef[0]:.2f}, block {coef[1]:.2f}, tied {coef[2]:.2f}, untied "
           f"{coef[3]:.2f}, casts nf4 {coef[4]:.2f} float32 {coef[5]:.2f}, tokens {coef[6]:.2f}, nf4 layer tokens "
-          f"{coef[7]:.2f}; worst "
-          f"{np.abs(err).max() * 100:.1f}% over {len(rs)}, {int((np.abs(err) <= 0.1).sum())} within 10% (the estimate "
-          f"in the file: {today.min() * 100:+.0f}% .. {today.max() * 100:+.0f}%)")
+          f"{coef[7]:.2f} (TPU_FSDP_LORA's order); worst {np.abs(err).max() * 100:.1f}% over {len(rs)}, "
+          f"{int((np.abs(err) <= 0.1).sum())} within 10% (the estimate in the file: {today.min() * 100:+.0f}% .. "
+          f"{today.max() * 100:+.0f}%)")
     if a.verbose:
         for r, e, t in zip(rs, err, today):
             print(f"   {r['model']} L{r['L']} {r['dtype']} {r['B']}x{r['S']}: {e * 100:+.1f}% (file {t * 100:+.1f}%)")

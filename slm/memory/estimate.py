@@ -229,7 +229,7 @@ def device_breakdown(
                 out[key] //= devices
         if lora and platform == "tpu" and remat and mixed:  # libtpu's own fit (TPU_FSDP_LORA)
             out["gathered_params"] = tpu_fsdp_lora_bytes(shape, finetune.base_dtype, out["base_casts"], devices,
-                                                         micro_batch * seq_len, 2 if mixed else 4)
+                                                         micro_batch * seq_len, 2)  # bf16 compute
             out["base_casts"] = 0  # a shard's, counted in gathered_params
         else:
             out["gathered_params"] = (fsdp_gathered_bytes(shape, finetune.base_dtype, out["base_casts"], devices)

@@ -216,18 +216,24 @@ def fsdp_gathered_bytes(shape: ModelShape, base_dtype: str, casts: int, devices:
     return int(block * per_weight) + casts // devices
 
 
+def tpu_fsdp_lora_columns(shape: ModelShape, base_dtype: str, casts: int, devices: int, tokens: int,
+                          compute_bytes: int) -> list[float]:
+    """TPU_FSDP_LORA's terms, bytes, in its order (bench/lora_fit_accel.py fits their coefficients): `casts`, the
+    one-chip step's base casts; `tokens`, a chip's."""
+    block, nf4 = matmul_weights(shape)[0], base_dtype == "nf4"
+    embedding, token_bytes = shape.vocab_size * shape.d_model * 2, tokens * shape.d_model * compute_bytes
+    return [shape.n_layers * block * (NF4_BYTES if nf4 else 2) / devices, 2 * block,
+            shape.tie_embeddings * embedding, (not shape.tie_embeddings) * embedding,
+            nf4 * casts / devices, (base_dtype == "float32") * casts / devices,
+            devices * token_bytes, nf4 * shape.n_layers * token_bytes]
+
+
 def tpu_fsdp_lora_bytes(shape: ModelShape, base_dtype: str, casts: int, devices: int, tokens: int,
                         compute_bytes: int) -> int:
     """What libtpu holds beyond each chip's shard and the activations in a LoRA step whose base is split over
-    `devices` chips (TPU_FSDP_LORA's terms); `casts`: the one-chip step's base casts, `tokens`: a chip's."""
-    block = matmul_weights(shape)[0]
-    embedding = shape.vocab_size * shape.d_model * 2
-    shards, one, tied, untied, nf4_casts, wide_casts, gathered, nf4_layers = TPU_FSDP_LORA
-    nf4 = base_dtype == "nf4"
-    cast = (nf4_casts if nf4 else wide_casts if base_dtype == "float32" else 0.0) * casts / devices
-    return int(shards * shape.n_layers * block * (NF4_BYTES if nf4 else 2) / devices
-               + one * 2 * block + (tied if shape.tie_embeddings else untied) * embedding + cast
-               + (gathered * devices + nf4 * nf4_layers * shape.n_layers) * tokens * shape.d_model * compute_bytes)
+    `devices` chips: TPU_FSDP_LORA's coefficients times tpu_fsdp_lora_columns."""
+    columns = tpu_fsdp_lora_columns(shape, base_dtype, casts, devices, tokens, compute_bytes)
+    return int(sum(k * x for k, x in zip(TPU_FSDP_LORA, columns, strict=True)))
 
 
 def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, remat: bool, platform: str,
