@@ -5,13 +5,17 @@
     .venv/bin/python bench/lora_fit_accel.py collect --target v5e-8 --devices 8 --layers 2,8 --only True,True \
         --dtypes bfloat16,nf4 --models tinyllama-1.1b,llama-3.2-1b,qwen2.5-0.5b,mistral-7b-v0.1 --out F   # ~30 min
     .venv/bin/python bench/lora_fit_accel.py fit F      # the base split over the chips (FSDP): TPU_FSDP_LORA
+    .venv/bin/python bench/lora_fit_accel.py collect --full --target v5e-8 --devices 8 --layers 2,8 --only True,True \
+        --dtypes float32 --models tinyllama-1.1b,llama-3.2-1b,qwen2.5-0.5b,mistral-7b-v0.1 --out G   # and --devices 4
+    .venv/bin/python bench/lora_fit_accel.py fit G      # a full fine-tune split over the chips: TPU_FSDP_FULL
 
 `collect`: the trainer's LoRA train step (r16 on q_proj,v_proj, AdamW; slm.train.builder) compiled for one
 compile-only device of the target (--plan-for's, slm.train.aot) at SmolLM2-135M's, Qwen2.5-0.5B's, TinyLlama's
 and Mistral-7B's shapes cut to 2 and 4 layers, float32, bfloat16 and nf4 bases, seq 512 x 1 and 1,024 x 2, each
 of (remat, mixed precision): one JSON line per compile with XLA's peak and the estimate's parts. A file already
 holding some lines is continued. `--devices N`: the base split over N chips of the target (FSDP), a micro-batch
-of B sequences on each; `fit` then fits fsdp_columns (what libtpu holds beyond each chip's shard).
+of B sequences on each; `fit` then fits fsdp_columns (what libtpu holds beyond each chip's shard). `--full`: the
+step of a full fine-tune instead (every weight trained, AdamW); `fit` then fits full_fsdp_columns.
 
 `fit`: per (remat, mixed precision), what XLA holds beyond the state (base, adapters, their gradients and AdamW
 moments: exact) against the columns of slm.memory.finetune.backward_bytes' accelerator path: without remat
@@ -76,17 +80,18 @@ def collect(a: argparse.Namespace) -> None:
                         for B, S in FIT_TOKENS:
                             rec = dict(model=m, L=L, D=shape.d_model, F=shape.d_ff, H=shape.n_heads,
                                        KV=shape.kv_heads, hd=shape.head_dim, V=shape.vocab_size, dtype=dtype,
-                                       remat=remat, mixed=mixed, B=B, S=S, target=target.name, devices=n)
+                                       remat=remat, mixed=mixed, B=B, S=S, target=target.name, devices=n,
+                                       **({"full": True} if a.full else {}))
                             if key(rec) in done:
                                 continue
                             spec = StepSpec(shape, S, B * n, 1, mixed, remat, sharding="fsdp" if n > 1 else "dp",
-                                            optimizer="adamw", base_dtype=dtype,
-                                            lora=LoraSpec(16, 32.0, 0.0, ("q_proj", "v_proj")), platform=target.platform)
+                                            optimizer="adamw", base_dtype=dtype, platform=target.platform,
+                                            lora=None if a.full else LoraSpec(16, 32.0, 0.0, ("q_proj", "v_proj")))
                             t = time.time()
                             with compile_only():
                                 rec["xla"] = compiled_peak(compile_step(build(spec, mesh))[0])
                             rec["est"] = device_breakdown(shape, S, B, mixed_precision=mixed, gradient_checkpointing=remat,
-                                                          finetune=Finetune(16, ("q_proj", "v_proj"), dtype),
+                                                          finetune=None if a.full else Finetune(16, ("q_proj", "v_proj"), dtype),
                                                           platform=target.platform, devices=n, fsdp=n > 1)
                             out.write(json.dumps(rec) + "\n")
                             out.flush()
@@ -95,7 +100,7 @@ def collect(a: argparse.Namespace) -> None:
 
 
 def key(r: dict) -> tuple:
-    return r["model"], r["L"], r["dtype"], r["remat"], r["mixed"], r["B"], r["S"], r.get("devices", 1)
+    return r["model"], r["L"], r["dtype"], r["remat"], r["mixed"], r["B"], r["S"], r.get("devices", 1), r.get("full", False)
 
 
 def columns(r: dict) -> tuple[list[float], float]:
@@ -137,14 +142,29 @@ def fsdp_columns(r: dict) -> tuple[list[float], float]:
     return cols, state(r) + r["est"]["activations"] + r["est"]["logits"]
 
 
+def full_fsdp_columns(r: dict) -> tuple[list[float], float]:
+    """(slm.memory.finetune.tpu_fsdp_full_columns, and the known part: today's estimate without them) of one
+    full fine-tune's compile (collect --full) with the weights split over r["devices"] chips."""
+    from slm.memory.estimate import device_breakdown
+    from slm.memory.finetune import model_shape, tpu_fsdp_full_columns
+
+    shape = dataclasses.replace(model_shape(os.path.join(MODELS, r["model"])), n_layers=r["L"])
+    dev = device_breakdown(shape, r["S"], r["B"], mixed_precision=r["mixed"], gradient_checkpointing=r["remat"],
+                           devices=r["devices"], fsdp=True, platform="tpu")
+    known = dev["total"] - dev["gathered_params"] - dev.get("runtime", 0)
+    return tpu_fsdp_full_columns(shape, r["devices"], r["B"] * r["S"]), known
+
+
 def fit(a: argparse.Namespace) -> None:
     import numpy as np
     from plan_for_xla import relative_nnls  # bench/, beside this script
 
     with open(a.data) as f:
         recs = [json.loads(line) for line in f]
+    if any(r.get("full") for r in recs):
+        return fit_fsdp(a, [r for r in recs if r.get("full")], full_fsdp_columns, FULL_NAMES)
     if any(r.get("devices", 1) > 1 for r in recs):
-        return fit_fsdp(a, [r for r in recs if r.get("devices", 1) > 1])
+        return fit_fsdp(a, [r for r in recs if r.get("devices", 1) > 1], fsdp_columns, LORA_NAMES)
     for remat, mixed in SETTINGS:
         rs = [r for r in recs if r["remat"] == remat and r["mixed"] == mixed]
         if not rs:
@@ -164,25 +184,28 @@ def fit(a: argparse.Namespace) -> None:
                 print(f"   {r['model']} L{r['L']} {r['dtype']} {r['B']}x{r['S']}: {e * 100:+.1f}%")
 
 
-def fit_fsdp(a: argparse.Namespace, rs: list[dict]) -> None:
-    """The FSDP columns (fsdp_columns), relative to XLA's whole peak."""
+LORA_NAMES = ("TPU_FSDP_LORA", "shards", "block", "tied", "untied", "casts nf4", "float32", "tokens", "nf4 layer tokens")
+FULL_NAMES = ("TPU_FSDP_FULL", "block", "tied", "untied", "tokens", "shards")
+
+
+def fit_fsdp(a: argparse.Namespace, rs: list[dict], columns_of, names: tuple[str, ...]) -> None:
+    """The FSDP columns (`columns_of`: fsdp_columns, full_fsdp_columns), relative to XLA's whole peak."""
     import numpy as np
     from plan_for_xla import relative_nnls  # bench/, beside this script
 
-    X = np.array([fsdp_columns(r)[0] for r in rs])
-    known = np.array([fsdp_columns(r)[1] for r in rs])
+    X = np.array([columns_of(r)[0] for r in rs])
+    known = np.array([columns_of(r)[1] for r in rs])
     xla = np.array([r["xla"] for r in rs], float)
     coef = relative_nnls(X, xla - known, xla)
     err = (X @ coef + known) / xla - 1
     today = np.array([(r["est"]["total"] - r["est"].get("runtime", 0)) / r["xla"] - 1 for r in rs])
-    print(f"FSDP over {rs[0]['devices']}: shards {coef[0]:.2f}, block {coef[1]:.2f}, tied {coef[2]:.2f}, untied "
-          f"{coef[3]:.2f}, casts nf4 {coef[4]:.2f} float32 {coef[5]:.2f}, tokens {coef[6]:.2f}, nf4 layer tokens "
-          f"{coef[7]:.2f} (TPU_FSDP_LORA's order); worst {np.abs(err).max() * 100:.1f}% over {len(rs)}, "
-          f"{int((np.abs(err) <= 0.1).sum())} within 10% (the estimate in the file: {today.min() * 100:+.0f}% .. "
-          f"{today.max() * 100:+.0f}%)")
+    print(f"{names[0]} ({', '.join(names[1:])}) = ({', '.join(f'{c:.2f}' for c in coef)}); worst "
+          f"{np.abs(err).max() * 100:.1f}% over {len(rs)}, {int((np.abs(err) <= 0.1).sum())} within 10% (the estimate "
+          f"in the file: {today.min() * 100:+.0f}% .. {today.max() * 100:+.0f}%)")
     if a.verbose:
         for r, e, t in zip(rs, err, today):
-            print(f"   {r['model']} L{r['L']} {r['dtype']} {r['B']}x{r['S']}: {e * 100:+.1f}% (file {t * 100:+.1f}%)")
+            print(f"   {r['model']} L{r['L']} {r['dtype']} on {r['devices']} {r['B']}x{r['S']}: {e * 100:+.1f}% "
+                  f"(file {t * 100:+.1f}%)")
 
 
 def main() -> None:
@@ -195,6 +218,7 @@ def main() -> None:
     c.add_argument("--dtypes", default="float32,bfloat16,nf4")
     c.add_argument("--layers", default="2,4")
     c.add_argument("--devices", type=int, default=1, help="> 1: FSDP over that many of the target's chips")
+    c.add_argument("--full", action="store_true", help="a full fine-tune's step (every weight trained; --dtypes float32)")
     c.add_argument("--only", default="", help="one (remat, mixed precision) pair, e.g. True,True (as plan_for_xla.py fit)")
     f = sub.add_parser("fit")
     f.add_argument("data")

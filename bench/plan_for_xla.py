@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/plan_for_xla.py sweep --target h100-80gb [--rows scratch,lora,qlora,full] [--models ...]
     .venv/bin/python bench/plan_for_xla.py sweep --target v5e-8 --reuse sweep.md   # re-estimate its rows, no compile
+    .venv/bin/python bench/plan_for_xla.py sweep --target v5e-8 --rows full --fsdp  # full fine-tunes over the 8 chips
     .venv/bin/python bench/plan_for_xla.py sampler        # seed 002's QLoRA sampler on an A10G: before / after
     .venv/bin/python bench/plan_for_xla.py seed002        # seed 002's settings on an A10G 24 GB, and a 1B on v5e-8
     .venv/bin/python bench/plan_for_xla.py device-plan --out bench/out/plan.json    # --plan-for h100-80gb, here
@@ -16,7 +17,7 @@ runtime term (the CUDA context, which XLA's buffers do not hold). From scratch a
 bf16 base, QLoRA (nf4 base) and full fine-tunes (Muon) of every config.json in ../shared/models (1 sequence of
 512 a device, remat, bf16 compute), and with --rows lora-default LoRA at the flags' defaults (a float32 base
 and products, no remat). On a several-device target, runs whose state does not fit one device are
-FSDP. Prints a markdown table; the goal is within +-10% on every row.
+FSDP (--fsdp: every row). Prints a markdown table; the goal is within +-10% on every row.
 
 `device-plan` / `device` / `device-compare`: --plan-for's compile-only figures against a real GPU. Each row
 (DEVICE_ROWS) is a run --plan-for h100-80gb plans (slm.train.plan_for.compile_programs: train step, eval step,
@@ -128,7 +129,7 @@ def sweep(a: argparse.Namespace) -> None:
         shape = plan_shape(c)
         c = resolved_for(c, shape, target.platform)
         est = estimate_device_mb(c, shape, target)
-        if name in earlier or (target.count > 1 and est > 0.8 * target.usable_mb()[0]):
+        if name in earlier or a.fsdp or (target.count > 1 and est > 0.8 * target.usable_mb()[0]):
             c = dataclasses.replace(c, sharding=earlier[name][0] if name in earlier else "fsdp")
             est = estimate_device_mb(c, shape, target)
         t0 = time.time()
@@ -532,6 +533,7 @@ def main() -> None:
     s = sub.add_parser("sweep")
     s.add_argument("--target", default="h100-80gb")
     s.add_argument("--rows", default="scratch,lora,qlora,full")
+    s.add_argument("--fsdp", action="store_true", help="every row split over the target's devices (FSDP)")
     s.add_argument("--reuse", default="", help="an earlier sweep's output: its rows' XLA figures and shardings, "
                    "re-estimated without compiling (after a change of the arithmetic)")
     s.add_argument("--models", default=",".join(sorted(m for m in os.listdir(MODELS) if os.path.isdir(

@@ -32,7 +32,8 @@ micro-step that emits (slm.optim.optimizer.LazyMultiSteps).
 With FSDP over n devices (`fsdp=True`) params, optimizer state, accumulation and the update are divided
 by n, and `gathered` (4N) is added: XLA:CPU all-gathers the full weights for the step, and the gradients
 stay full-size before their reduce-scatter (bench/sharding.py@1a39af2: 10M params on 8 devices, 237 MB/device
-compiled vs 259 predicted, +9%; DP 300 vs 321, +7%).
+compiled vs 259 predicted, +9%; DP 300 vs 321, +7%). libtpu, with remat under mixed precision, does neither: the
+gradients are reduce-scattered and `gathered` is its own fitted terms (slm.memory.finetune.TPU_FSDP_FULL).
 
 The coefficients a, b, c, e, t (bytes) are fitted to XLA's memory analysis of this trainer's compiled step
 (jax 0.10.2, XLA:CPU; per key 20 configurations, 5 shapes x 4 batch/seq up to seq 2,048, on one device and
@@ -73,11 +74,13 @@ from dataclasses import astuple, dataclass
 from slm.errors import ConfigError
 from slm.memory.finetune import (
     GPU_RUNTIME_MB,
+    LORA_ACCEL_COEFFICIENTS,
     Finetune,
     backward_bytes,
     fsdp_gathered_bytes,
     lora_breakdown,
     model_shape,
+    tpu_fsdp_full_bytes,
     tpu_fsdp_lora_bytes,
 )
 from slm.model.sizing import (
@@ -193,7 +196,12 @@ def device_breakdown(
     """
     remat, mixed, ideal = bool(gradient_checkpointing), bool(mixed_precision), gradient_checkpointing and platform != "cpu"
     accumulating = gradient_accumulation_steps > 1
-    if finetune is not None and finetune.lora_rank is not None:
+    tpu_fsdp = platform == "tpu" and remat and mixed and fsdp and devices > 1  # libtpu's own FSDP fits
+    lora = finetune is not None and finetune.lora_rank is not None
+    # a full fine-tune's fit is AdamW's with float32 moments: with 8-bit state or Muon libtpu holds up to 2x more
+    # (not fitted), so those keep XLA:CPU's terms, which plan them 22-66% over (docs/memory.md)
+    tpu_fsdp = tpu_fsdp and (lora or (optimizer == "adamw" and not use_8bit_optimizer))
+    if lora:
         out = lora_breakdown(shape, finetune, seq_len, micro_batch, mixed_precision=mixed, gradient_checkpointing=remat,
                              use_8bit_optimizer=use_8bit_optimizer, accumulation=gradient_accumulation_steps,
                              platform=platform, loss_chunk=loss_chunk)
@@ -201,7 +209,9 @@ def device_breakdown(
     else:
         n = count_params(shape)
         accumulation = 4 * n + 8 if accumulating else 0
-        if (remat, mixed) in ACCEL_COEFFICIENTS.get(platform, {}):  # the target compiler's own fit (remat: one block)
+        if tpu_fsdp:  # LoRA's TPU terms: the same blocks and loss (TPU_FSDP_FULL was fitted with them)
+            coefficients = per_layer = LORA_ACCEL_COEFFICIENTS["tpu"][(True, True)]
+        elif (remat, mixed) in ACCEL_COEFFICIENTS.get(platform, {}):  # the target compiler's own fit (remat: one block)
             coefficients = ACCEL_COEFFICIENTS[platform][(remat, mixed)]
             per_layer = coefficients if remat else None
         else:
@@ -218,7 +228,6 @@ def device_breakdown(
             "activations": activations,
             "logits": logits,
         }
-    lora = finetune is not None and finetune.lora_rank is not None
     out["update"] = update_bytes(shape, n, bool(use_8bit_optimizer), "adamw" if lora else optimizer,
                                  1 if fsdp else devices, platform)
     if platform != "cpu":
@@ -227,10 +236,13 @@ def device_breakdown(
         for key in ("params", "base_params", "optimizer_state", "accumulation", "update"):
             if key in out:
                 out[key] //= devices
-        if lora and platform == "tpu" and remat and mixed:  # libtpu's own fit (TPU_FSDP_LORA)
+        if lora and tpu_fsdp:  # libtpu's own fit (TPU_FSDP_LORA)
             out["gathered_params"] = tpu_fsdp_lora_bytes(shape, finetune.base_dtype, out["base_casts"], devices,
                                                          micro_batch * seq_len, 2)  # bf16 compute
             out["base_casts"] = 0  # a shard's, counted in gathered_params
+        elif tpu_fsdp:  # libtpu's own fit (TPU_FSDP_FULL): the gradients reduce-scattered, no whole model gathered
+            out["gradients"] //= devices
+            out["gathered_params"] = tpu_fsdp_full_bytes(shape, devices, micro_batch * seq_len)
         else:
             out["gathered_params"] = (fsdp_gathered_bytes(shape, finetune.base_dtype, out["base_casts"], devices)
                                       if lora else 4 * n)
