@@ -8,6 +8,9 @@
     .venv/bin/python bench/lora_fit_accel.py collect --full --target v5e-8 --devices 8 --layers 2,8 --only True,True \
         --dtypes float32 --models tinyllama-1.1b,llama-3.2-1b,qwen2.5-0.5b,mistral-7b-v0.1 --out G   # and --devices 4
     .venv/bin/python bench/lora_fit_accel.py fit G      # a full fine-tune split over the chips: TPU_FSDP_FULL
+    .venv/bin/python bench/lora_fit_accel.py collect --full --target v5e-1 --layers 2,8 --only True,True \
+        --dtypes float32 --models qwen2.5-0.5b,tinyllama-1.1b --out H   # and --layers 2: llama-3.2-1b,mistral-7b-v0.1
+    .venv/bin/python bench/lora_fit_accel.py fit H      # a full fine-tune on one chip: TPU_FULL_UPDATE
 
 `collect`: the trainer's LoRA train step (r16 on q_proj,v_proj, AdamW; slm.train.builder) compiled for one
 compile-only device of the target (--plan-for's, slm.train.aot) at SmolLM2-135M's, Qwen2.5-0.5B's, TinyLlama's
@@ -15,7 +18,8 @@ and Mistral-7B's shapes cut to 2 and 4 layers, float32, bfloat16 and nf4 bases, 
 of (remat, mixed precision): one JSON line per compile with XLA's peak and the estimate's parts. A file already
 holding some lines is continued. `--devices N`: the base split over N chips of the target (FSDP), a micro-batch
 of B sequences on each; `fit` then fits fsdp_columns (what libtpu holds beyond each chip's shard). `--full`: the
-step of a full fine-tune instead (every weight trained, AdamW); `fit` then fits full_fsdp_columns.
+step of a full fine-tune instead (every weight trained, AdamW); `fit` then fits full_fsdp_columns, or on one
+chip full_columns (libtpu's AdamW update).
 
 `fit`: per (remat, mixed precision), what XLA holds beyond the state (base, adapters, their gradients and AdamW
 moments: exact) against the columns of slm.memory.finetune.backward_bytes' accelerator path: without remat
@@ -155,12 +159,24 @@ def full_fsdp_columns(r: dict) -> tuple[list[float], float]:
     return tpu_fsdp_full_columns(shape, r["devices"], r["B"] * r["S"]), known
 
 
+def full_columns(r: dict) -> tuple[list[float], float]:
+    """(slm.memory.finetune.tpu_full_update_columns, and the known part: the float32 params, gradients and AdamW
+    moments, 16N) of one full fine-tune's compile on one chip (collect --full --devices 1)."""
+    from slm.memory.finetune import model_shape, tpu_full_update_columns
+    from slm.model.sizing import count_params
+
+    shape = dataclasses.replace(model_shape(os.path.join(MODELS, r["model"])), n_layers=r["L"])
+    return tpu_full_update_columns(shape), 16 * count_params(shape)
+
+
 def fit(a: argparse.Namespace) -> None:
     import numpy as np
     from plan_for_xla import relative_nnls  # bench/, beside this script
 
     with open(a.data) as f:
         recs = [json.loads(line) for line in f]
+    if any(r.get("full") and r.get("devices", 1) == 1 for r in recs):
+        return fit_fsdp(a, [r for r in recs if r.get("full") and r.get("devices", 1) == 1], full_columns, ONE_NAMES)
     if any(r.get("full") for r in recs):
         return fit_fsdp(a, [r for r in recs if r.get("full")], full_fsdp_columns, FULL_NAMES)
     if any(r.get("devices", 1) > 1 for r in recs):
@@ -185,6 +201,7 @@ def fit(a: argparse.Namespace) -> None:
 
 
 LORA_NAMES = ("TPU_FSDP_LORA", "shards", "block", "tied", "untied", "casts nf4", "float32", "tokens", "nf4 layer tokens")
+ONE_NAMES = ("TPU_FULL_UPDATE", "blocks", "tied", "untied")
 FULL_NAMES = ("TPU_FSDP_FULL", "block", "tied", "untied", "tokens", "shards")
 
 

@@ -81,6 +81,7 @@ from slm.memory.finetune import (
     lora_breakdown,
     model_shape,
     tpu_fsdp_full_bytes,
+    tpu_full_update_bytes,
     tpu_fsdp_lora_bytes,
 )
 from slm.model.sizing import (
@@ -155,6 +156,7 @@ GPU_MUON_UPDATE_TEMPS = {False: 1.92, True: MUON_UPDATE_TEMPS[True]}
 # fine-tunes of 5 configs compiled for an H100, bench/plan_for_xla.py sweep --rows full, 2026-11-27: XLA's peak
 # 0.96-0.99x the 16 bytes a parameter of params, gradients and moments); 8-bit: CPU's (not measured).
 GPU_ADAMW_UPDATE_TEMPS = {False: 0.0, True: UPDATE_TEMPS[True]}
+# libtpu's holds more (a full fine-tune under remat and mixed precision, float32 moments): finetune.TPU_FULL_UPDATE.
 
 # Host RSS terms (MB), fitted to 24 trainer runs (module docstring). Post-compile RSS after the heap's trim:
 # float32 4/9/15/20 layers 387-394/415-429/451-486/488-517; 8-bit adds 15-80 (1M-100M params).
@@ -196,11 +198,12 @@ def device_breakdown(
     """
     remat, mixed, ideal = bool(gradient_checkpointing), bool(mixed_precision), gradient_checkpointing and platform != "cpu"
     accumulating = gradient_accumulation_steps > 1
-    tpu_fsdp = platform == "tpu" and remat and mixed and fsdp and devices > 1  # libtpu's own FSDP fits
     lora = finetune is not None and finetune.lora_rank is not None
-    # a full fine-tune's fit is AdamW's with float32 moments: with 8-bit state or Muon libtpu holds up to 2x more
-    # (not fitted), so those keep XLA:CPU's terms, which plan them 22-66% over (docs/memory.md)
-    tpu_fsdp = tpu_fsdp and (lora or (optimizer == "adamw" and not use_8bit_optimizer))
+    # libtpu's own fits of a full fine-tune are AdamW's with float32 moments under remat and mixed precision: with
+    # 8-bit state or Muon libtpu holds up to 2x more (not fitted), so those keep XLA:CPU's terms, which plan them
+    # 22-66% over over the chips (docs/memory.md)
+    tpu_full = platform == "tpu" and remat and mixed and not lora and optimizer == "adamw" and not use_8bit_optimizer
+    tpu_fsdp = platform == "tpu" and remat and mixed and fsdp and devices > 1 and (lora or tpu_full)
     if lora:
         out = lora_breakdown(shape, finetune, seq_len, micro_batch, mixed_precision=mixed, gradient_checkpointing=remat,
                              use_8bit_optimizer=use_8bit_optimizer, accumulation=gradient_accumulation_steps,
@@ -209,7 +212,7 @@ def device_breakdown(
     else:
         n = count_params(shape)
         accumulation = 4 * n + 8 if accumulating else 0
-        if tpu_fsdp:  # LoRA's TPU terms: the same blocks and loss (TPU_FSDP_FULL was fitted with them)
+        if tpu_full:  # LoRA's TPU terms: the same blocks and loss (TPU_FULL_UPDATE, TPU_FSDP_FULL fitted with them)
             coefficients = per_layer = LORA_ACCEL_COEFFICIENTS["tpu"][(True, True)]
         elif (remat, mixed) in ACCEL_COEFFICIENTS.get(platform, {}):  # the target compiler's own fit (remat: one block)
             coefficients = ACCEL_COEFFICIENTS[platform][(remat, mixed)]
@@ -230,6 +233,8 @@ def device_breakdown(
         }
     out["update"] = update_bytes(shape, n, bool(use_8bit_optimizer), "adamw" if lora else optimizer,
                                  1 if fsdp else devices, platform)
+    if tpu_full and not tpu_fsdp:  # libtpu's AdamW update on whole weights (TPU_FULL_UPDATE)
+        out["update"] = tpu_full_update_bytes(shape)
     if platform != "cpu":
         out["runtime"] = int(GPU_RUNTIME_MB * MB)
     if fsdp and devices > 1:

@@ -142,6 +142,13 @@ TPU_FSDP_LORA = (1.41, 0.21, 0.68, 0.0, 0.0, 0.0, 1.97, 4.08)
 # does neither. Fitted: bench/lora_fit_accel.py collect --full --target v5e-8 --devices 8 and 4 (2026-11-28, libtpu
 # 0.0.42.1: TinyLlama, Llama-3.2-1B, Qwen2.5-0.5B, Mistral-7B at 2 and 8 layers, 1 x 512 and 2 x 1,024 a chip; 32
 # compiles, worst 11.9%, 29 within 10%; were +19% .. +288%).
+# The same step on one chip (or each of a data-parallel run's), beyond 16N: libtpu's AdamW update holds ~1.14
+# float32 copies of every block's weights and ~2.1 of each embedding-sized matrix (the tied embedding; untied, the
+# embedding and the head), whatever the tokens; the update phase, the peak, where XLA:CPU's and the GPU's hold 1 and
+# 0. Fitted: bench/lora_fit_accel.py collect --full --target v5e-1 (2026-11-28, libtpu 0.0.42.1: Qwen2.5-0.5B and
+# TinyLlama at 2 and 8 layers, Llama-3.2-1B and Mistral-7B at 2, 1 x 512 and 2 x 1,024; 12 compiles, worst 1.9%).
+# SmolLM2-135M's step holds ~4x: -28% .. -32% on these terms (its 576-wide arrays pad to 640 lanes; not followed).
+TPU_FULL_UPDATE = (1.14, 2.13, 4.35)
 TPU_FSDP_FULL = (0.0, 1.28, 0.58, 6.14, 0.0)
 # With an nf4 base XLA:CPU holds 0.82-0.99x the activations the coefficients give (5 shapes at 2 and 4 layers:
 # smollm2 0.82, qwen2.5 0.85, llama-3.2-1b 0.98, tinyllama 0.99); the middle of that range.
@@ -243,6 +250,19 @@ def tpu_fsdp_lora_bytes(shape: ModelShape, base_dtype: str, casts: int, devices:
     `devices` chips: TPU_FSDP_LORA's coefficients times tpu_fsdp_lora_columns."""
     columns = tpu_fsdp_lora_columns(shape, base_dtype, casts, devices, tokens, compute_bytes)
     return int(sum(k * x for k, x in zip(TPU_FSDP_LORA, columns, strict=True)))
+
+
+def tpu_full_update_columns(shape: ModelShape) -> list[float]:
+    """TPU_FULL_UPDATE's terms, bytes, in its order (bench/lora_fit_accel.py fits their coefficients)."""
+    embedding = shape.vocab_size * shape.d_model * 4
+    return [shape.n_layers * 4 * matmul_weights(shape)[0], shape.tie_embeddings * embedding,
+            (not shape.tie_embeddings) * embedding]
+
+
+def tpu_full_update_bytes(shape: ModelShape) -> int:
+    """libtpu's AdamW update of a full fine-tune on one chip (or each of a data-parallel run's): TPU_FULL_UPDATE's
+    coefficients times tpu_full_update_columns."""
+    return int(sum(k * x for k, x in zip(TPU_FULL_UPDATE, tpu_full_update_columns(shape), strict=True)))
 
 
 def tpu_fsdp_full_columns(shape: ModelShape, devices: int, tokens: int) -> list[float]:

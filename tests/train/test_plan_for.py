@@ -229,11 +229,12 @@ def test_the_lora_arithmetic_for_a_base_split_over_tpu_chips_is_within_15_percen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [8, 4])
-def test_a_full_fine_tune_split_over_tpu_chips_is_planned_within_15_percent_of_xlas_compile(devices):
-    """Every weight trained and split over a v5e-8's chips (FSDP), remat under mixed precision: Qwen3-0.6B's
-    shape, which slm.memory.finetune's TPU_FSDP_FULL was not fitted on, against libtpu's compile. On XLA:CPU's
-    terms (the whole model gathered, whole gradients) the arithmetic was 2-4x libtpu's figure for the fitted
-    shapes (2026-11-28: see docs/memory.md)."""
+@pytest.mark.parametrize("devices", [8, 4, 1])
+def test_a_full_fine_tune_on_tpu_chips_is_planned_within_15_percent_of_xlas_compile(devices):
+    """Every weight trained, split over a v5e-8's chips (FSDP) or on one, remat under mixed precision: Qwen3-0.6B's
+    shape, which slm.memory.finetune's TPU_FSDP_FULL and TPU_FULL_UPDATE were not fitted on, against libtpu's
+    compile. On XLA:CPU's terms (over the chips the whole model gathered and whole gradients; on one an update
+    of 4N) the arithmetic was 2-4x libtpu's figure over the chips and 6-16% under it on one (2026-11-28: see
+    docs/memory.md)."""
     est, xla = held_out_lora("v5e-8", True, True, "full", devices=devices, model="qwen3-0.6b")
     assert est == pytest.approx(xla, rel=0.15)
