@@ -107,16 +107,23 @@ def key(r: dict) -> tuple:
     return r["model"], r["L"], r["dtype"], r["remat"], r["mixed"], r["B"], r["S"], r.get("devices", 1), r.get("full", False)
 
 
+def shape_of(r: dict):
+    """The shape one compile's record was collected at: its model's config.json cut to r["L"] layers."""
+    from slm.memory.finetune import model_shape
+
+    return dataclasses.replace(model_shape(os.path.join(MODELS, r["model"])), n_layers=r["L"])
+
+
 def columns(r: dict) -> tuple[list[float], float]:
     """(the fitted columns, the known part) of one compile: backward_bytes' accelerator path, then the base's
     casts (module docstring)."""
-    from slm.memory.finetune import largest_kernel, matmul_weights, model_shape
+    from slm.memory.finetune import largest_kernel, matmul_weights
     from slm.memory.targets import load_target
     from slm.model.sizing import logit_columns, visible_keys
 
     T, L, D, F, H, S = r["B"] * r["S"], r["L"], r["D"], r["F"], r["H"], r["S"]
     cb = 2 if r["mixed"] else 4
-    shape = dataclasses.replace(model_shape(os.path.join(MODELS, r["model"])), n_layers=L)
+    shape = shape_of(r)
     block, kernel = matmul_weights(shape)[0], largest_kernel(shape)
     cast = r["dtype"] not in ("nf4", "bfloat16" if r["mixed"] else "float32")  # a float base cast to the compute dtype
     wide, nf4, layers = r["dtype"] == "float32", r["dtype"] == "nf4", 1 if r["remat"] else L
@@ -138,9 +145,9 @@ def state(r: dict) -> int:
 def fsdp_columns(r: dict) -> tuple[list[float], float]:
     """(the fitted columns, slm.memory.finetune.tpu_fsdp_lora_columns, and the known part: the state's shard,
     the activations and logits) of one compile with the base split over r["devices"] chips."""
-    from slm.memory.finetune import base_cast_bytes, model_shape, tpu_fsdp_lora_columns
+    from slm.memory.finetune import base_cast_bytes, tpu_fsdp_lora_columns
 
-    shape = dataclasses.replace(model_shape(os.path.join(MODELS, r["model"])), n_layers=r["L"])
+    shape = shape_of(r)
     casts = base_cast_bytes(shape, r["dtype"], r["mixed"], r["remat"], "tpu", True)
     cols = tpu_fsdp_lora_columns(shape, r["dtype"], casts, r["devices"], r["B"] * r["S"], 2 if r["mixed"] else 4)
     return cols, state(r) + r["est"]["activations"] + r["est"]["logits"]
@@ -150,9 +157,9 @@ def full_fsdp_columns(r: dict) -> tuple[list[float], float]:
     """(slm.memory.finetune.tpu_fsdp_full_columns, and the known part: today's estimate without them) of one
     full fine-tune's compile (collect --full) with the weights split over r["devices"] chips."""
     from slm.memory.estimate import device_breakdown
-    from slm.memory.finetune import model_shape, tpu_fsdp_full_columns
+    from slm.memory.finetune import tpu_fsdp_full_columns
 
-    shape = dataclasses.replace(model_shape(os.path.join(MODELS, r["model"])), n_layers=r["L"])
+    shape = shape_of(r)
     dev = device_breakdown(shape, r["S"], r["B"], mixed_precision=r["mixed"], gradient_checkpointing=r["remat"],
                            devices=r["devices"], fsdp=True, platform="tpu")
     known = dev["total"] - dev["gathered_params"] - dev.get("runtime", 0)
@@ -162,10 +169,10 @@ def full_fsdp_columns(r: dict) -> tuple[list[float], float]:
 def full_columns(r: dict) -> tuple[list[float], float]:
     """(slm.memory.finetune.tpu_full_update_columns, and the known part: the float32 params, gradients and AdamW
     moments, 16N) of one full fine-tune's compile on one chip (collect --full --devices 1)."""
-    from slm.memory.finetune import model_shape, tpu_full_update_columns
+    from slm.memory.finetune import tpu_full_update_columns
     from slm.model.sizing import count_params
 
-    shape = dataclasses.replace(model_shape(os.path.join(MODELS, r["model"])), n_layers=r["L"])
+    shape = shape_of(r)
     return tpu_full_update_columns(shape), 16 * count_params(shape)
 
 

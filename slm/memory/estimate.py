@@ -200,8 +200,8 @@ def device_breakdown(
     accumulating = gradient_accumulation_steps > 1
     lora = finetune is not None and finetune.lora_rank is not None
     # libtpu's own fits of a full fine-tune are AdamW's with float32 moments under remat and mixed precision: with
-    # 8-bit state or Muon libtpu holds up to 2x more (not fitted), so those keep XLA:CPU's terms, which plan them
-    # 22-66% over over the chips (docs/memory.md)
+    # 8-bit state or Muon libtpu holds up to 2x more (not fitted), so those keep XLA:CPU's terms, which over the
+    # chips plan them 22-66% over (docs/memory.md)
     tpu_full = platform == "tpu" and remat and mixed and not lora and optimizer == "adamw" and not use_8bit_optimizer
     tpu_fsdp = platform == "tpu" and remat and mixed and fsdp and devices > 1 and (lora or tpu_full)
     if lora:
@@ -231,10 +231,9 @@ def device_breakdown(
             "activations": activations,
             "logits": logits,
         }
-    out["update"] = update_bytes(shape, n, bool(use_8bit_optimizer), "adamw" if lora else optimizer,
-                                 1 if fsdp else devices, platform)
-    if tpu_full and not tpu_fsdp:  # libtpu's AdamW update on whole weights (TPU_FULL_UPDATE)
-        out["update"] = tpu_full_update_bytes(shape)
+    out["update"] = (tpu_full_update_bytes(shape) if tpu_full and not tpu_fsdp  # libtpu's, on whole weights
+                     else update_bytes(shape, n, bool(use_8bit_optimizer), "adamw" if lora else optimizer,
+                                       1 if fsdp else devices, platform))
     if platform != "cpu":
         out["runtime"] = int(GPU_RUNTIME_MB * MB)
     if fsdp and devices > 1:

@@ -134,21 +134,21 @@ LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
 # Llama-3.2-1B, Qwen2.5-0.5B, Mistral-7B at 2 and 8 layers, bf16/nf4 (and TinyLlama float32) bases, 1 x 512 and
 # 2 x 1,024 a chip; 36 compiles, worst 28%, 25 within 10%; were -60% .. +190%, 4 within 10%).
 TPU_FSDP_LORA = (1.41, 0.21, 0.68, 0.0, 0.0, 0.0, 1.97, 4.08)
-# A full fine-tune (every weight trained, from scratch too) split over a TPU's chips (FSDP; remat under mixed
-# precision), beyond each chip's shard of the float32 params, gradients (reduce-scattered) and AdamW moments and the
-# activations (LoRA's TPU terms): one block's float32 weights gathered, the float32 embedding gathered (tied; untied,
-# with the head), the tokens of all the chips x D x 2 bytes, every block's float32 shard again; the fit kept the
-# embedding's and the tokens' terms. XLA:CPU gathers the whole model and keeps whole gradients (4N each); libtpu
-# does neither. Fitted: bench/lora_fit_accel.py collect --full --target v5e-8 --devices 8 and 4 (2026-11-28, libtpu
-# 0.0.42.1: TinyLlama, Llama-3.2-1B, Qwen2.5-0.5B, Mistral-7B at 2 and 8 layers, 1 x 512 and 2 x 1,024 a chip; 32
-# compiles, worst 11.9%, 29 within 10%; were +19% .. +288%).
-# The same step on one chip (or each of a data-parallel run's), beyond 16N: libtpu's AdamW update holds ~1.14
-# float32 copies of every block's weights and ~2.1 of each embedding-sized matrix (the tied embedding; untied, the
-# embedding and the head), whatever the tokens; the update phase, the peak, where XLA:CPU's and the GPU's hold 1 and
-# 0. Fitted: bench/lora_fit_accel.py collect --full --target v5e-1 (2026-11-28, libtpu 0.0.42.1: Qwen2.5-0.5B and
-# TinyLlama at 2 and 8 layers, Llama-3.2-1B and Mistral-7B at 2, 1 x 512 and 2 x 1,024; 12 compiles, worst 1.9%).
-# SmolLM2-135M's step holds ~4x: -28% .. -32% on these terms (its 576-wide arrays pad to 640 lanes; not followed).
+# A full fine-tune (every weight trained, from scratch too) on one TPU chip (or each of a data-parallel run's),
+# remat under mixed precision, beyond 16N: libtpu's AdamW update holds ~1.14 float32 copies of every block's weights
+# and ~2.1 of each embedding-sized matrix (the tied embedding; untied, the embedding and the head), whatever the
+# tokens; the update phase, the peak, where XLA:CPU's and the GPU's hold 1 and 0. Fitted: bench/lora_fit_accel.py
+# collect --full --target v5e-1 (2026-11-28, libtpu 0.0.42.1: Qwen2.5-0.5B and TinyLlama at 2 and 8 layers,
+# Llama-3.2-1B and Mistral-7B at 2, 1 x 512 and 2 x 1,024; 12 compiles, worst 1.9%). SmolLM2-135M's step holds ~4x:
+# -28% .. -32% on these terms (its 576-wide arrays pad to 640 lanes; not followed).
 TPU_FULL_UPDATE = (1.14, 2.13, 4.35)
+# The same step split over a TPU's chips (FSDP), beyond each chip's shard of the float32 params, gradients
+# (reduce-scattered) and AdamW moments and the activations (LoRA's TPU terms): one block's float32 weights gathered,
+# the float32 embedding gathered (tied; untied, with the head), the tokens of all the chips x D x 2 bytes, every
+# block's float32 shard again; the fit kept the embedding's and the tokens' terms. XLA:CPU gathers the whole model
+# and keeps whole gradients (4N each); libtpu does neither. Fitted: bench/lora_fit_accel.py collect --full --target
+# v5e-8 --devices 8 and 4 (2026-11-28, libtpu 0.0.42.1: TinyLlama, Llama-3.2-1B, Qwen2.5-0.5B, Mistral-7B at 2 and 8
+# layers, 1 x 512 and 2 x 1,024 a chip; 32 compiles, worst 11.9%, 29 within 10%; were +19% .. +288%).
 TPU_FSDP_FULL = (0.0, 1.28, 0.58, 6.14, 0.0)
 # With an nf4 base XLA:CPU holds 0.82-0.99x the activations the coefficients give (5 shapes at 2 and 4 layers:
 # smollm2 0.82, qwen2.5 0.85, llama-3.2-1b 0.98, tinyllama 0.99); the middle of that range.
@@ -232,6 +232,11 @@ def fsdp_gathered_bytes(shape: ModelShape, base_dtype: str, casts: int, devices:
     return int(block * per_weight) + casts // devices
 
 
+def weighted(coefficients: tuple[float, ...], columns: list[float]) -> int:
+    """A fitted term's bytes: its coefficients times its columns (the tpu_*_columns functions, in their order)."""
+    return int(sum(k * x for k, x in zip(coefficients, columns, strict=True)))
+
+
 def tpu_fsdp_lora_columns(shape: ModelShape, base_dtype: str, casts: int, devices: int, tokens: int,
                           compute_bytes: int) -> list[float]:
     """TPU_FSDP_LORA's terms, bytes, in its order (bench/lora_fit_accel.py fits their coefficients): `casts`, the
@@ -248,8 +253,7 @@ def tpu_fsdp_lora_bytes(shape: ModelShape, base_dtype: str, casts: int, devices:
                         compute_bytes: int) -> int:
     """What libtpu holds beyond each chip's shard and the activations in a LoRA step whose base is split over
     `devices` chips: TPU_FSDP_LORA's coefficients times tpu_fsdp_lora_columns."""
-    columns = tpu_fsdp_lora_columns(shape, base_dtype, casts, devices, tokens, compute_bytes)
-    return int(sum(k * x for k, x in zip(TPU_FSDP_LORA, columns, strict=True)))
+    return weighted(TPU_FSDP_LORA, tpu_fsdp_lora_columns(shape, base_dtype, casts, devices, tokens, compute_bytes))
 
 
 def tpu_full_update_columns(shape: ModelShape) -> list[float]:
@@ -262,7 +266,7 @@ def tpu_full_update_columns(shape: ModelShape) -> list[float]:
 def tpu_full_update_bytes(shape: ModelShape) -> int:
     """libtpu's AdamW update of a full fine-tune on one chip (or each of a data-parallel run's): TPU_FULL_UPDATE's
     coefficients times tpu_full_update_columns."""
-    return int(sum(k * x for k, x in zip(TPU_FULL_UPDATE, tpu_full_update_columns(shape), strict=True)))
+    return weighted(TPU_FULL_UPDATE, tpu_full_update_columns(shape))
 
 
 def tpu_fsdp_full_columns(shape: ModelShape, devices: int, tokens: int) -> list[float]:
@@ -276,7 +280,7 @@ def tpu_fsdp_full_columns(shape: ModelShape, devices: int, tokens: int) -> list[
 def tpu_fsdp_full_bytes(shape: ModelShape, devices: int, tokens: int) -> int:
     """What libtpu holds beyond each chip's shard of the state and the activations in a full fine-tune split over
     `devices` chips: TPU_FSDP_FULL's coefficients times tpu_fsdp_full_columns."""
-    return int(sum(k * x for k, x in zip(TPU_FSDP_FULL, tpu_fsdp_full_columns(shape, devices, tokens), strict=True)))
+    return weighted(TPU_FSDP_FULL, tpu_fsdp_full_columns(shape, devices, tokens))
 
 
 def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, remat: bool, platform: str,

@@ -163,10 +163,10 @@ def test_the_arithmetic_for_a_tpu_is_within_10_percent_of_xlas_compile():
     assert est["total"] - est["runtime"] == pytest.approx(xla, rel=0.1)
 
 
-def held_out_lora(target: str, remat: bool, mixed: bool, base: str, devices: int = 1,
+def held_out_step(target: str, remat: bool, mixed: bool, base: str, devices: int = 1,
                   model: str = "llama-3.2-1b") -> tuple[float, float]:
     """(the arithmetic's device figure less its runtime term, the target compiler's peak) of a LoRA step at a
-    shape no LoRA term was fitted on: `model`'s at 3 layers, seq 768 x 1 a device, r8 on q,k,v,o; devices > 1:
+    shape no accelerator term was fitted on: `model`'s at 3 layers, seq 768 x 1 a device, r8 on q,k,v,o; devices > 1:
     the base split over them (FSDP); base "full": a full fine-tune (every weight trained, no LoRA)."""
     import dataclasses
 
@@ -200,9 +200,9 @@ def held_out_lora(target: str, remat: bool, mixed: bool, base: str, devices: int
                                                 (True, True, "nf4")])
 def test_the_lora_arithmetic_for_a_gpu_is_within_10_percent_of_xlas_compile(remat, mixed, base):
     """The LoRA step's device figure for a GPU (slm.memory.finetune's accelerator terms) against XLA:GPU's own
-    buffer assignment for a compile-only H100, at the held-out shape (held_out_lora). Before the GPU's own LoRA
+    buffer assignment for a compile-only H100, at the held-out shape (held_out_step). Before the GPU's own LoRA
     terms the arithmetic was 1.2-2.5x XLA's figure here."""
-    est, xla = held_out_lora("h100-80gb", remat, mixed, base)
+    est, xla = held_out_step("h100-80gb", remat, mixed, base)
     assert est == pytest.approx(xla, rel=0.1)
 
 
@@ -213,7 +213,7 @@ def test_the_lora_arithmetic_for_a_tpu_is_within_10_percent_of_xlas_compile(base
     slm.memory.finetune's TPU terms were fitted on other shapes (SmolLM2-135M, Qwen2.5-0.5B, Mistral-7B). On
     XLA:CPU's terms, which a TPU's LoRA was planned on before, the fitted shapes were -46% .. +159% off
     (2026-11-28: -0.5% float32, -9.5% nf4 here)."""
-    est, xla = held_out_lora("v5e-1", True, True, base)
+    est, xla = held_out_step("v5e-1", True, True, base)
     assert est == pytest.approx(xla, rel=0.1)
 
 
@@ -224,7 +224,7 @@ def test_the_lora_arithmetic_for_a_base_split_over_tpu_chips_is_within_15_percen
     slm.memory.finetune's TPU_FSDP_LORA was not fitted on, against libtpu's compile. Before those terms the
     arithmetic counted one block gathered (XLA:CPU's way); libtpu also holds every block's shard again, a tied
     embedding gathered and activations gathered over the chips (2026-11-28: see docs/memory.md)."""
-    est, xla = held_out_lora("v5e-8", True, True, base, devices=8, model="qwen3-0.6b")
+    est, xla = held_out_step("v5e-8", True, True, base, devices=8, model="qwen3-0.6b")
     assert est == pytest.approx(xla, rel=0.15)
 
 
@@ -236,5 +236,5 @@ def test_a_full_fine_tune_on_tpu_chips_is_planned_within_15_percent_of_xlas_comp
     compile. On XLA:CPU's terms (over the chips the whole model gathered and whole gradients; on one an update
     of 4N) the arithmetic was 2-4x libtpu's figure over the chips and 6-16% under it on one (2026-11-28: see
     docs/memory.md)."""
-    est, xla = held_out_lora("v5e-8", True, True, "full", devices=devices, model="qwen3-0.6b")
+    est, xla = held_out_step("v5e-8", True, True, "full", devices=devices, model="qwen3-0.6b")
     assert est == pytest.approx(xla, rel=0.15)
