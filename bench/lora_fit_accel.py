@@ -10,16 +10,20 @@
     .venv/bin/python bench/lora_fit_accel.py fit G      # a full fine-tune split over the chips: TPU_FSDP_FULL
     .venv/bin/python bench/lora_fit_accel.py collect --full --target v5e-1 --layers 2,8 --only True,True \
         --dtypes float32 --models qwen2.5-0.5b,tinyllama-1.1b --out H   # and --layers 2: llama-3.2-1b,mistral-7b-v0.1
+    .venv/bin/python bench/lora_fit_accel.py collect --full --target v5e-1 --layers 2,8 --only True,True \
+        --dtypes float32 --models smollm2-135m --over d_model=448,n_heads=7,n_kv_heads=1 --out H   # widths not
+        # whole 128 lanes: also 704 (11 heads, 1 kv), 960 (15, 5, d_ff 2560), 640 (10, 2, d_ff 1600 and 1616);
+        # tinyllama-1.1b --over d_ff=5600
     .venv/bin/python bench/lora_fit_accel.py fit H      # a full fine-tune on one chip: TPU_FULL_UPDATE
 
 `collect`: the trainer's LoRA train step (r16 on q_proj,v_proj, AdamW; slm.train.builder) compiled for one
 compile-only device of the target (--plan-for's, slm.train.aot) at SmolLM2-135M's, Qwen2.5-0.5B's, TinyLlama's
 and Mistral-7B's shapes cut to 2 and 4 layers, float32, bfloat16 and nf4 bases, seq 512 x 1 and 1,024 x 2, each
 of (remat, mixed precision): one JSON line per compile with XLA's peak and the estimate's parts. A file already
-holding some lines is continued. `--devices N`: the base split over N chips of the target (FSDP), a micro-batch
-of B sequences on each; `fit` then fits fsdp_columns (what libtpu holds beyond each chip's shard). `--full`: the
-step of a full fine-tune instead (every weight trained, AdamW); `fit` then fits full_fsdp_columns, or on one
-chip full_columns (libtpu's AdamW update).
+holding some lines is continued; `--over` changes the models' shapes (kept in the record). `--devices N`: the
+base split over N chips of the target (FSDP), a micro-batch of B sequences on each; `fit` then fits fsdp_columns
+(what libtpu holds beyond each chip's shard). `--full`: the step of a full fine-tune instead (every weight
+trained, AdamW); `fit` then fits full_fsdp_columns, or on one chip full_columns (libtpu's AdamW update).
 
 `fit`: per (remat, mixed precision), what XLA holds beyond the state (base, adapters, their gradients and AdamW
 moments: exact) against the columns of slm.memory.finetune.backward_bytes' accelerator path: without remat
@@ -76,7 +80,8 @@ def collect(a: argparse.Namespace) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "a") as out:
         for m in a.models.split(","):
-            full = model_shape(os.path.join(MODELS, m))
+            over = dict((k, int(v)) for k, v in (kv.split("=") for kv in a.over.split(",") if kv))
+            full = dataclasses.replace(model_shape(os.path.join(MODELS, m)), **over)
             for L in [int(x) for x in a.layers.split(",")]:
                 shape = dataclasses.replace(full, n_layers=L)
                 for dtype in a.dtypes.split(","):
@@ -85,7 +90,7 @@ def collect(a: argparse.Namespace) -> None:
                             rec = dict(model=m, L=L, D=shape.d_model, F=shape.d_ff, H=shape.n_heads,
                                        KV=shape.kv_heads, hd=shape.head_dim, V=shape.vocab_size, dtype=dtype,
                                        remat=remat, mixed=mixed, B=B, S=S, target=target.name, devices=n,
-                                       **({"full": True} if a.full else {}))
+                                       **({"full": True} if a.full else {}), **({"over": over} if over else {}))
                             if key(rec) in done:
                                 continue
                             spec = StepSpec(shape, S, B * n, 1, mixed, remat, sharding="fsdp" if n > 1 else "dp",
@@ -104,14 +109,16 @@ def collect(a: argparse.Namespace) -> None:
 
 
 def key(r: dict) -> tuple:
-    return r["model"], r["L"], r["dtype"], r["remat"], r["mixed"], r["B"], r["S"], r.get("devices", 1), r.get("full", False)
+    return (r["model"], r["L"], r["dtype"], r["remat"], r["mixed"], r["B"], r["S"], r.get("devices", 1),
+            r.get("full", False), tuple(sorted(r.get("over", {}).items())))
 
 
 def shape_of(r: dict):
-    """The shape one compile's record was collected at: its model's config.json cut to r["L"] layers."""
+    """The shape one compile's record was collected at: its model's config.json cut to r["L"] layers, with
+    collect --over's changes."""
     from slm.memory.finetune import model_shape
 
-    return dataclasses.replace(model_shape(os.path.join(MODELS, r["model"])), n_layers=r["L"])
+    return dataclasses.replace(model_shape(os.path.join(MODELS, r["model"])), n_layers=r["L"], **r.get("over", {}))
 
 
 def columns(r: dict) -> tuple[list[float], float]:
@@ -208,7 +215,7 @@ def fit(a: argparse.Namespace) -> None:
 
 
 LORA_NAMES = ("TPU_FSDP_LORA", "shards", "block", "tied", "untied", "casts nf4", "float32", "tokens", "nf4 layer tokens")
-ONE_NAMES = ("TPU_FULL_UPDATE", "blocks", "tied", "untied")
+ONE_NAMES = ("TPU_FULL_UPDATE", "blocks", "tied", "untied", "odd-width blocks", "odd-width embeddings")
 FULL_NAMES = ("TPU_FSDP_FULL", "block", "tied", "untied", "tokens", "shards")
 
 
@@ -228,7 +235,8 @@ def fit_fsdp(a: argparse.Namespace, rs: list[dict], columns_of, names: tuple[str
           f"in the file: {today.min() * 100:+.0f}% .. {today.max() * 100:+.0f}%)")
     if a.verbose:
         for r, e, t in zip(rs, err, today):
-            print(f"   {r['model']} L{r['L']} {r['dtype']} on {r['devices']} {r['B']}x{r['S']}: {e * 100:+.1f}% "
+            name = r["model"] + (f"/{r['D']}" if r.get("over") else "")
+            print(f"   {name} L{r['L']} {r['dtype']} on {r['devices']} {r['B']}x{r['S']}: {e * 100:+.1f}% "
                   f"(file {t * 100:+.1f}%)")
 
 
@@ -243,6 +251,7 @@ def main() -> None:
     c.add_argument("--layers", default="2,4")
     c.add_argument("--devices", type=int, default=1, help="> 1: FSDP over that many of the target's chips")
     c.add_argument("--full", action="store_true", help="a full fine-tune's step (every weight trained; --dtypes float32)")
+    c.add_argument("--over", default="", help="the models' shapes changed, e.g. d_model=448,n_heads=7,n_kv_heads=1")
     c.add_argument("--only", default="", help="one (remat, mixed precision) pair, e.g. True,True (as plan_for_xla.py fit)")
     f = sub.add_parser("fit")
     f.add_argument("data")

@@ -135,13 +135,17 @@ LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
 # 2 x 1,024 a chip; 36 compiles, worst 28%, 25 within 10%; were -60% .. +190%, 4 within 10%).
 TPU_FSDP_LORA = (1.41, 0.21, 0.68, 0.0, 0.0, 0.0, 1.97, 4.08)
 # A full fine-tune (every weight trained, from scratch too) on one TPU chip (or each of a data-parallel run's),
-# remat under mixed precision, beyond 16N: libtpu's AdamW update holds ~1.14 float32 copies of every block's weights
-# and ~2.1 of each embedding-sized matrix (the tied embedding; untied, the embedding and the head), whatever the
-# tokens; the update phase, the peak, where XLA:CPU's and the GPU's hold 1 and 0. Fitted: bench/lora_fit_accel.py
-# collect --full --target v5e-1 (2026-11-28, libtpu 0.0.42.1: Qwen2.5-0.5B and TinyLlama at 2 and 8 layers,
-# Llama-3.2-1B and Mistral-7B at 2, 1 x 512 and 2 x 1,024; 12 compiles, worst 1.9%). SmolLM2-135M's step holds ~4x:
-# -28% .. -32% on these terms (its 576-wide arrays pad to 640 lanes; not followed).
-TPU_FULL_UPDATE = (1.14, 2.13, 4.35)
+# remat under mixed precision, beyond 16N: libtpu's AdamW update holds ~1.3 float32 copies of every block's weights
+# and ~2 of each embedding-sized matrix (the tied embedding; untied, the embedding and the head), whatever the
+# tokens; the update phase, the peak, where XLA:CPU's and the GPU's hold 1 and 0. Where a block kernel's last
+# dimension is not a whole number of 128 lanes (576 wide, a fused gate/up of 2 x 1,616), ~1.5 copies of the blocks
+# more, and where the width is not, ~2.8 of the embeddings more (libtpu lays such arrays out transposed or padded
+# and copies them between layouts). Fitted: bench/lora_fit_accel.py collect --full --target v5e-1 (2026-11-28,
+# libtpu 0.0.42.1: Qwen2.5-0.5B, TinyLlama and SmolLM2 at 2 and 8 layers, Llama-3.2-1B and Mistral-7B at 2, and
+# SmolLM2 --over 448, 640, 704 and 960 wide, TinyLlama's d_ff 5,600, 1 x 512 and 2 x 1,024; 40 compiles, worst
+# 14%, 39 within 10%; SmolLM2's and the odd widths' were -19% .. -40% on the whole-lane terms).
+TPU_FULL_UPDATE = (1.33, 2.04, 4.14, 1.54, 2.76)
+TPU_LANES = 128  # a TPU vector register's lanes: an array's last dimension is laid out in multiples of it
 # The same step split over a TPU's chips (FSDP), beyond each chip's shard of the float32 params, gradients
 # (reduce-scattered) and AdamW moments and the activations (LoRA's TPU terms): one block's float32 weights gathered,
 # the float32 embedding gathered (tied; untied, with the head), the tokens of all the chips x D x 2 bytes, every
@@ -257,10 +261,13 @@ def tpu_fsdp_lora_bytes(shape: ModelShape, base_dtype: str, casts: int, devices:
 
 
 def tpu_full_update_columns(shape: ModelShape) -> list[float]:
-    """TPU_FULL_UPDATE's terms, bytes, in its order (bench/lora_fit_accel.py fits their coefficients)."""
-    embedding = shape.vocab_size * shape.d_model * 4
-    return [shape.n_layers * 4 * matmul_weights(shape)[0], shape.tie_embeddings * embedding,
-            (not shape.tie_embeddings) * embedding]
+    """TPU_FULL_UPDATE's terms, bytes, in its order (bench/lora_fit_accel.py fits their coefficients): a block
+    kernel whose last dimension is not a whole number of a TPU's 128 lanes (SmolLM2's 576 wide, a fused gate/up of
+    2 x 1,616) adds the blocks' again, a width that is not adds the embeddings'."""
+    embedding, blocks = shape.vocab_size * shape.d_model * 4, shape.n_layers * 4 * matmul_weights(shape)[0]
+    odd_blocks = any(o % TPU_LANES for _, o in hidden_matrix_shapes(shape)[:4])
+    return [blocks, shape.tie_embeddings * embedding, (not shape.tie_embeddings) * embedding,
+            odd_blocks * blocks, (shape.d_model % TPU_LANES != 0) * (2 - shape.tie_embeddings) * embedding]
 
 
 def tpu_full_update_bytes(shape: ModelShape) -> int:

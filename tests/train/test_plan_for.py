@@ -164,10 +164,10 @@ def test_the_arithmetic_for_a_tpu_is_within_10_percent_of_xlas_compile():
 
 
 def held_out_step(target: str, remat: bool, mixed: bool, base: str, devices: int = 1,
-                  model: str = "llama-3.2-1b") -> tuple[float, float]:
+                  model: str = "llama-3.2-1b", **changes: int) -> tuple[float, float]:
     """(the arithmetic's device figure less its runtime term, the target compiler's peak) of a LoRA step at a
-    shape no accelerator term was fitted on: `model`'s at 3 layers, seq 768 x 1 a device, r8 on q,k,v,o; devices > 1:
-    the base split over them (FSDP); base "full": a full fine-tune (every weight trained, no LoRA)."""
+    shape no accelerator term was fitted on: `model`'s at 3 layers (and `changes`), seq 768 x 1 a device, r8 on
+    q,k,v,o; devices > 1: the base split over them (FSDP); base "full": a full fine-tune (every weight trained)."""
     import dataclasses
 
     import numpy as np
@@ -181,7 +181,7 @@ def held_out_step(target: str, remat: bool, mixed: bool, base: str, devices: int
     from slm.train.builder import StepSpec, build, compile_step, compiled_peak
 
     targets, t = ("q_proj", "k_proj", "v_proj", "o_proj"), load_target(target)
-    shape = dataclasses.replace(model_shape(ROOT.parent / "shared" / "models" / model), n_layers=3)
+    shape = dataclasses.replace(model_shape(ROOT.parent / "shared" / "models" / model), n_layers=3, **changes)
     spec = StepSpec(shape, 768, devices, 1, mixed, remat, sharding="fsdp" if devices > 1 else "dp",
                     lora=None if base == "full" else LoraSpec(8, 16.0, 0.0, targets),
                     base_dtype="float32" if base == "full" else base, platform=t.platform)
@@ -238,3 +238,12 @@ def test_a_full_fine_tune_on_tpu_chips_is_planned_within_15_percent_of_xlas_comp
     docs/memory.md)."""
     est, xla = held_out_step("v5e-8", True, True, "full", devices=devices, model="qwen3-0.6b")
     assert est == pytest.approx(xla, rel=0.15)
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_whose_width_is_not_whole_tpu_lanes_is_planned_within_10_percent_of_xlas_compile():
+    """Qwen3-0.6B's shape narrowed to 960 wide (7.5 x 128 lanes, as SmolLM2's 576 is 4.5) on one v5e chip: libtpu
+    holds about two more float32 copies of the blocks and of the embedding at the update. On the whole-lane terms
+    alone the arithmetic was ~30% under its figure (2026-11-28: see docs/memory.md)."""
+    est, xla = held_out_step("v5e-8", True, True, "full", model="qwen3-0.6b", d_model=960)
+    assert est == pytest.approx(xla, rel=0.10)
