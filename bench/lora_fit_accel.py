@@ -15,6 +15,8 @@
         # whole 128 lanes: also 704 (11 heads, 1 kv), 960 (15, 5, d_ff 2560), 640 (10, 2, d_ff 1600 and 1616);
         # tinyllama-1.1b --over d_ff=5600
     .venv/bin/python bench/lora_fit_accel.py fit H      # a full fine-tune on one chip: TPU_FULL_UPDATE
+    .venv/bin/python bench/lora_fit_accel.py collect --full --optimizer muon --target v5e-1 ... --out M
+    .venv/bin/python bench/lora_fit_accel.py fit M      # Muon on one chip: the same columns (not in the estimate yet)
 
 `collect`: the trainer's LoRA train step (r16 on q_proj,v_proj, AdamW; slm.train.builder) compiled for one
 compile-only device of the target (--plan-for's, slm.train.aot) at SmolLM2-135M's, Qwen2.5-0.5B's, TinyLlama's
@@ -86,22 +88,24 @@ def collect(a: argparse.Namespace) -> None:
                 shape = dataclasses.replace(full, n_layers=L)
                 for dtype in a.dtypes.split(","):
                     for remat, mixed in [st for st in SETTINGS if not a.only or a.only == f"{st[0]},{st[1]}"]:
-                        for B, S in FIT_TOKENS:
+                        for B, S in [tuple(map(int, t.split("x"))) for t in a.tokens.split(",")]:
                             rec = dict(model=m, L=L, D=shape.d_model, F=shape.d_ff, H=shape.n_heads,
                                        KV=shape.kv_heads, hd=shape.head_dim, V=shape.vocab_size, dtype=dtype,
                                        remat=remat, mixed=mixed, B=B, S=S, target=target.name, devices=n,
-                                       **({"full": True} if a.full else {}), **({"over": over} if over else {}))
+                                       **({"full": True} if a.full else {}), **({"over": over} if over else {}),
+                                       **({"optimizer": a.optimizer} if a.optimizer != "adamw" else {}))
                             if key(rec) in done:
                                 continue
                             spec = StepSpec(shape, S, B * n, 1, mixed, remat, sharding="fsdp" if n > 1 else "dp",
-                                            optimizer="adamw", base_dtype=dtype, platform=target.platform,
+                                            optimizer=a.optimizer, base_dtype=dtype, platform=target.platform,
                                             lora=None if a.full else LoraSpec(16, 32.0, 0.0, ("q_proj", "v_proj")))
                             t = time.time()
                             with compile_only():
                                 rec["xla"] = compiled_peak(compile_step(build(spec, mesh))[0])
                             rec["est"] = device_breakdown(shape, S, B, mixed_precision=mixed, gradient_checkpointing=remat,
                                                           finetune=None if a.full else Finetune(16, ("q_proj", "v_proj"), dtype),
-                                                          platform=target.platform, devices=n, fsdp=n > 1)
+                                                          platform=target.platform, devices=n, fsdp=n > 1,
+                                                          optimizer=a.optimizer)
                             out.write(json.dumps(rec) + "\n")
                             out.flush()
                             print(f"{m} L{L} {dtype} remat {remat} mixed {mixed} {B}x{S}: XLA {rec['xla'] / MB:,.0f} MB "
@@ -110,7 +114,7 @@ def collect(a: argparse.Namespace) -> None:
 
 def key(r: dict) -> tuple:
     return (r["model"], r["L"], r["dtype"], r["remat"], r["mixed"], r["B"], r["S"], r.get("devices", 1),
-            r.get("full", False), tuple(sorted(r.get("over", {}).items())))
+            r.get("full", False), tuple(sorted(r.get("over", {}).items())), r.get("optimizer", "adamw"))
 
 
 def shape_of(r: dict):
@@ -183,12 +187,25 @@ def full_columns(r: dict) -> tuple[list[float], float]:
     return tpu_full_update_columns(shape), 16 * count_params(shape)
 
 
+def muon_columns(r: dict) -> tuple[list[float], float]:
+    """(slm.memory.finetune.tpu_full_update_columns, and the known part: the float32 params and gradients and
+    Muon's state, exact) of one full fine-tune's compile with --optimizer muon on one chip."""
+    from slm.memory.finetune import tpu_full_update_columns
+    from slm.model.sizing import count_params, optimizer_state_bytes
+
+    shape = shape_of(r)
+    return tpu_full_update_columns(shape), 8 * count_params(shape) + optimizer_state_bytes(shape, optimizer="muon")
+
+
 def fit(a: argparse.Namespace) -> None:
     import numpy as np
     from plan_for_xla import relative_nnls  # bench/, beside this script
 
     with open(a.data) as f:
         recs = [json.loads(line) for line in f]
+    if any(r.get("optimizer") == "muon" for r in recs):
+        return fit_fsdp(a, [r for r in recs if r.get("optimizer") == "muon"], muon_columns, MUON_NAMES)
+    recs = [r for r in recs if r.get("optimizer", "adamw") == "adamw"]
     if any(r.get("full") and r.get("devices", 1) == 1 for r in recs):
         return fit_fsdp(a, [r for r in recs if r.get("full") and r.get("devices", 1) == 1], full_columns, ONE_NAMES)
     if any(r.get("full") for r in recs):
@@ -215,6 +232,7 @@ def fit(a: argparse.Namespace) -> None:
 
 
 LORA_NAMES = ("TPU_FSDP_LORA", "shards", "block", "tied", "untied", "casts nf4", "float32", "tokens", "nf4 layer tokens")
+MUON_NAMES = ("TPU_MUON_UPDATE", "blocks", "tied", "untied", "odd-width blocks", "odd-width embeddings")
 ONE_NAMES = ("TPU_FULL_UPDATE", "blocks", "tied", "untied", "odd-width blocks", "odd-width embeddings")
 FULL_NAMES = ("TPU_FSDP_FULL", "block", "tied", "untied", "tokens", "shards")
 
@@ -252,6 +270,8 @@ def main() -> None:
     c.add_argument("--devices", type=int, default=1, help="> 1: FSDP over that many of the target's chips")
     c.add_argument("--full", action="store_true", help="a full fine-tune's step (every weight trained; --dtypes float32)")
     c.add_argument("--over", default="", help="the models' shapes changed, e.g. d_model=448,n_heads=7,n_kv_heads=1")
+    c.add_argument("--tokens", default=",".join(f"{b}x{s}" for b, s in FIT_TOKENS), help="micro-batch x seq, ...")
+    c.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"), help="muon: with --full on one chip")
     c.add_argument("--only", default="", help="one (remat, mixed precision) pair, e.g. True,True (as plan_for_xla.py fit)")
     f = sub.add_parser("fit")
     f.add_argument("data")
