@@ -81,8 +81,8 @@ def collect(a: argparse.Namespace) -> None:
             done = {key(json.loads(line)) for line in f}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "a") as out:
+        over = dict((k, int(v)) for k, v in (kv.split("=") for kv in a.over.split(",") if kv))
         for m in a.models.split(","):
-            over = dict((k, int(v)) for k, v in (kv.split("=") for kv in a.over.split(",") if kv))
             full = dataclasses.replace(model_shape(os.path.join(MODELS, m)), **over)
             for L in [int(x) for x in a.layers.split(",")]:
                 shape = dataclasses.replace(full, n_layers=L)
@@ -178,23 +178,15 @@ def full_fsdp_columns(r: dict) -> tuple[list[float], float]:
 
 
 def full_columns(r: dict) -> tuple[list[float], float]:
-    """(slm.memory.finetune.tpu_full_update_columns, and the known part: the float32 params, gradients and AdamW
-    moments, 16N) of one full fine-tune's compile on one chip (collect --full --devices 1)."""
-    from slm.memory.finetune import tpu_full_update_columns
-    from slm.model.sizing import count_params
-
-    shape = shape_of(r)
-    return tpu_full_update_columns(shape), 16 * count_params(shape)
-
-
-def muon_columns(r: dict) -> tuple[list[float], float]:
-    """(slm.memory.finetune.tpu_full_update_columns, and the known part: the float32 params and gradients and
-    Muon's state, exact) of one full fine-tune's compile with --optimizer muon on one chip."""
+    """(slm.memory.finetune.tpu_full_update_columns, and the known part: the float32 params and gradients and the
+    record's optimizer state, exact: AdamW's moments or Muon's) of one full fine-tune's compile on one chip
+    (collect --full --devices 1)."""
     from slm.memory.finetune import tpu_full_update_columns
     from slm.model.sizing import count_params, optimizer_state_bytes
 
     shape = shape_of(r)
-    return tpu_full_update_columns(shape), 8 * count_params(shape) + optimizer_state_bytes(shape, optimizer="muon")
+    state = optimizer_state_bytes(shape, optimizer=r.get("optimizer", "adamw"))
+    return tpu_full_update_columns(shape), 8 * count_params(shape) + state
 
 
 def fit(a: argparse.Namespace) -> None:
@@ -204,7 +196,7 @@ def fit(a: argparse.Namespace) -> None:
     with open(a.data) as f:
         recs = [json.loads(line) for line in f]
     if any(r.get("optimizer") == "muon" for r in recs):
-        return fit_fsdp(a, [r for r in recs if r.get("optimizer") == "muon"], muon_columns, MUON_NAMES)
+        return fit_fsdp(a, [r for r in recs if r.get("optimizer") == "muon"], full_columns, MUON_NAMES)
     recs = [r for r in recs if r.get("optimizer", "adamw") == "adamw"]
     if any(r.get("full") and r.get("devices", 1) == 1 for r in recs):
         return fit_fsdp(a, [r for r in recs if r.get("full") and r.get("devices", 1) == 1], full_columns, ONE_NAMES)
@@ -232,8 +224,8 @@ def fit(a: argparse.Namespace) -> None:
 
 
 LORA_NAMES = ("TPU_FSDP_LORA", "shards", "block", "tied", "untied", "casts nf4", "float32", "tokens", "nf4 layer tokens")
-MUON_NAMES = ("TPU_MUON_UPDATE", "blocks", "tied", "untied", "odd-width blocks", "odd-width embeddings")
 ONE_NAMES = ("TPU_FULL_UPDATE", "blocks", "tied", "untied", "odd-width blocks", "odd-width embeddings")
+MUON_NAMES = ("TPU_MUON_UPDATE", *ONE_NAMES[1:])  # the same columns, Muon's records (not in the estimate yet)
 FULL_NAMES = ("TPU_FSDP_FULL", "block", "tied", "untied", "tokens", "shards")
 
 
