@@ -4,7 +4,8 @@ published facts and where they come from. Pure Python: a notebook can list them 
 A GPU name may end in `xN` (`a100-80gb x8` written `a100-80gbx8`): N such GPUs in one host. A TPU name is a
 slice (`v5e-8`: eight v5e chips on one host). What a program may use of a device is what jax will give it:
 on a GPU jax preallocates a fraction of the card (XLA_CLIENT_MEM_FRACTION, formerly
-XLA_PYTHON_CLIENT_MEM_FRACTION; 0.75 by default), on a TPU the chip's HBM.
+XLA_PYTHON_CLIENT_MEM_FRACTION; 0.75 by default), on a TPU the HBM libtpu's compiler offers a program
+(hbm_available_gib: 15.75 of a v5e's 16 GiB, 30.75 of a v4's 32; measured, its spec file says how).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ class Target:
 
     def usable_mb(self, environ: dict | None = None) -> tuple[float, str]:
         """(MB a program may use per device, what that figure is): on a GPU jax's preallocated fraction."""
-        if self.platform == "tpu":
-            return self.device_mb, f"the chip's HBM ({self.facts['memory_gib_per_device']} GiB)"
+        if self.platform == "tpu":  # what libtpu lets a program use: less than the chip's HBM (v5p's: more)
+            gib = self.facts["hbm_available_gib"]
+            chip = self.facts["memory_gib_per_device"]
+            return gib * 1024.0, f"the HBM libtpu offers a program ({gib} GiB of the chip's {chip})"
         env = os.environ if environ is None else environ
         var = next((v for v in FRACTION_VARS if env.get(v)), None)
         try:
