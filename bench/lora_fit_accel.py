@@ -101,7 +101,9 @@ def collect(a: argparse.Namespace) -> None:
                                             lora=None if a.full else LoraSpec(16, 32.0, 0.0, ("q_proj", "v_proj")))
                             t = time.time()
                             with compile_only():
-                                rec["xla"] = compiled_peak(compile_step(build(spec, mesh))[0])
+                                compiled = compile_step(build(spec, mesh))[0]
+                            rec["xla"] = compiled_peak(compiled)  # a TPU's HBM (slm.train.builder.compiled_peak)
+                            rec["peak_memory"] = compiled.memory_analysis().peak_memory_in_bytes  # with its VMEM
                             rec["est"] = device_breakdown(shape, S, B, mixed_precision=mixed, gradient_checkpointing=remat,
                                                           finetune=None if a.full else Finetune(16, ("q_proj", "v_proj"), dtype),
                                                           platform=target.platform, devices=n, fsdp=n > 1,
@@ -195,6 +197,8 @@ def fit(a: argparse.Namespace) -> None:
 
     with open(a.data) as f:
         recs = [json.loads(line) for line in f]
+    for r in recs:  # a TPU's figure is the smaller of the two (compiled_peak), whichever rule collected it
+        r["xla"] = min(r["xla"], r.get("peak_memory") or r["xla"])
     if any(r.get("optimizer") == "muon" for r in recs):
         return fit_fsdp(a, [r for r in recs if r.get("optimizer") == "muon"], full_columns, MUON_NAMES)
     recs = [r for r in recs if r.get("optimizer", "adamw") == "adamw"]

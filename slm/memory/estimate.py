@@ -134,15 +134,16 @@ COEFFICIENTS = {
 # Without remat the five are per layer and token (as COEFFICIENTS); with remat, those of the one block being
 # recomputed, beside every other block's input (D x compute bytes a token: backward_bytes' layer path).
 # Fit errors (worst of 20 steps, 5 shapes x 4 token counts): 6.8%, 4.1%; remat 27.8%, 15.5%. A TPU's are fitted
-# to libtpu's compile for a v5e chip (bench/plan_for_xla.py fit --target v5e-1, 2026-11-27, libtpu 0.0.42.1) on
-# the widths people train there (384-1,024, heads of 32-128) at 2 and 6 layers, seq 512-2,048, minimising the
-# relative error of the whole peak: worst 10% at 6 layers (29% at 2, where ~20-60 MB of fixed costs weigh in).
+# to libtpu's compile for a v5e chip, its HBM figure (slm.train.builder.compiled_peak; bench/plan_for_xla.py fit
+# --target v5e-1, 2026-11-28, libtpu 0.0.42.1) on the widths people train there (384-1,024, heads of 32-128) at 2
+# and 6 layers, seq 512-2,048, minimising the relative error of the whole peak: worst 10.2% at 6 layers (32% at
+# 2, where fixed costs weigh in).
 # It runs training's blocked attention and keeps its probabilities for the backward (c: ~2.3 bytes a score, in
 # bf16 plus their float32 sums), no fused kernel. Settings not fitted there fall back to COEFFICIENTS.
 ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] = {
     "gpu": {(False, False): (0.0, 22.04, 8.56, 7.74, 0.0, 0.0), (False, True): (0.0, 11.41, 0.03, 7.97, 0.0, 0.0),
             (True, False): (0.0, 0.0, 10.23, 4.97, 0.0, 0.0), (True, True): (0.0, 0.0, 0.07, 7.72, 0.0, 0.0)},
-    "tpu": {(False, True): (0.0, 9.68, 2.31, 2.74, 0.0, 0.0)},
+    "tpu": {(False, True): (0.0, 9.20, 2.16, 2.10, 0.0, 0.0)},
 }
 
 # Update-phase temporaries in units of 4N, and in units of 4H for Muon's hidden matrices; keyed by 8-bit

@@ -115,16 +115,17 @@ LORA_ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] =
             (True, True): (25.27, 0.96, 0.0, 5.16, 0.0, 0.0)},
 }
 # On a TPU, libtpu's own (remat under mixed precision only, the default there; others fall back to the CPU's):
-# fitted to its compile for a v5e chip (bench/lora_fit_accel.py, 2026-11-28, libtpu 0.0.42.1: SmolLM2-135M,
-# Qwen2.5-0.5B and Mistral-7B at 2 and 4 layers x float32/bf16/nf4 bases x seq 512 x 1 / 1,024 x 2, 36 compiles;
-# worst 25%, 27 within 10%: at 512 tokens libtpu holds more than at 2,048 on some shapes, which no term in
-# the tokens follows). A float base's tied embedding is cast whole for the head there (the casts' sixth term).
-LORA_ACCEL_COEFFICIENTS["tpu"] = {(True, True): (23.26, 0.0, 0.0, 0.0, 0.0, 47.0 * 2**20)}
+# fitted to its compile for a v5e chip, the HBM figure (slm.train.builder.compiled_peak; bench/lora_fit_accel.py,
+# 2026-11-28, libtpu 0.0.42.1: SmolLM2-135M, Qwen2.5-0.5B and Mistral-7B at 2 and 4 layers x float32/bf16/nf4
+# bases x seq 512 x 1 / 1,024 x 2, 36 compiles; worst 29.7%, 29 within 10%, the worst an nf4 base: libtpu holds
+# more of its dequantisation at 512 tokens than at 2,048 on some shapes, which no term in the tokens follows).
+# A float base's tied embedding is cast whole for the head there (the casts' sixth term).
+LORA_ACCEL_COEFFICIENTS["tpu"] = {(True, True): (33.35, 0.0, 0.0, 0.0, 0.0, 15.3 * 2**20)}
 LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
                             (False, True): (0.39, 0.0, 0.50, 0.87, 0.66, 0.0),
                             (True, False): (0.15, 0.0, 0.0, 0.0, 0.93, 0.0),
                             (True, True): (0.0, 0.17, 0.0, 0.67, 0.90, 0.0)},
-                    "tpu": {(True, True): (0.0, 0.0, 0.0, 0.47, 3.26, 0.76)}}
+                    "tpu": {(True, True): (0.0, 0.0, 0.0, 0.39, 3.27, 0.83)}}
 # libtpu's LoRA step with its base split over the chips (FSDP; remat under mixed precision), beyond each chip's
 # shard of the state and the activations: every block's base shard again (nf4: its codes, else 16-bit), one block
 # gathered, a tied embedding gathered (16-bit), an untied head, the casts of a shard (nf4's, a float32 base's), the
@@ -135,16 +136,16 @@ LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
 # 2 x 1,024 a chip; 36 compiles, worst 28%, 25 within 10%; were -60% .. +190%, 4 within 10%).
 TPU_FSDP_LORA = (1.41, 0.21, 0.68, 0.0, 0.0, 0.0, 1.97, 4.08)
 # A full fine-tune (every weight trained, from scratch too) on one TPU chip (or each of a data-parallel run's),
-# remat under mixed precision, beyond 16N: libtpu's AdamW update holds ~1.3 float32 copies of every block's weights
-# and ~2 of each embedding-sized matrix (the tied embedding; untied, the embedding and the head), whatever the
-# tokens; the update phase, the peak, where XLA:CPU's and the GPU's hold 1 and 0. Where a block kernel's last
-# dimension is not a whole number of 128 lanes (576 wide, a fused gate/up of 2 x 1,616), ~1.5 copies of the blocks
-# more, and where the width is not, ~2.8 of the embeddings more (libtpu lays such arrays out transposed or padded
-# and copies them between layouts). Fitted: bench/lora_fit_accel.py collect --full --target v5e-1 (2026-11-28,
-# libtpu 0.0.42.1: Qwen2.5-0.5B, TinyLlama and SmolLM2 at 2 and 8 layers, Llama-3.2-1B and Mistral-7B at 2, and
-# SmolLM2 --over 448, 640, 704 and 960 wide, TinyLlama's d_ff 5,600, 1 x 512 and 2 x 1,024; 40 compiles, worst
-# 14%, 39 within 10%; SmolLM2's and the odd widths' were -19% .. -40% on the whole-lane terms).
-TPU_FULL_UPDATE = (1.33, 2.04, 4.14, 1.54, 2.76)
+# remat under mixed precision, beyond 16N: libtpu's AdamW update holds ~0.6 float32 copies of every block's weights
+# and ~0.8 of a tied embedding (~2.9 of an untied embedding and head), whatever the tokens; the update phase, the
+# peak, where XLA:CPU's and the GPU's hold 1 and 0. Where a block kernel's last dimension is not a whole number of
+# 128 lanes (576 wide, a fused gate/up of 2 x 1,616) ~0.4 copies of the blocks more, and where the width is not,
+# ~2.7 of the embeddings more (libtpu lays such arrays out transposed or padded and copies them between layouts).
+# Fitted to libtpu's HBM figure (slm.train.builder.compiled_peak): bench/lora_fit_accel.py collect --full --target
+# v5e-1 (2026-11-28, libtpu 0.0.42.1: Qwen2.5-0.5B, TinyLlama and SmolLM2 at 2 and 8 layers, Llama-3.2-1B and
+# Mistral-7B at 2, and SmolLM2 --over 448, 640, 704 and 960 wide and d_ff 1,600/1,616, TinyLlama's d_ff 5,600,
+# 1 x 512 and 2 x 1,024; 44 compiles, worst 6.7%, all within 10%).
+TPU_FULL_UPDATE = (0.63, 0.81, 2.86, 0.40, 2.70)
 TPU_LANES = 128  # a TPU vector register's lanes: an array's last dimension is laid out in multiples of it
 # The same step split over a TPU's chips (FSDP), beyond each chip's shard of the float32 params, gradients
 # (reduce-scattered) and AdamW moments and the activations (LoRA's TPU terms): one block's float32 weights gathered,
@@ -152,8 +153,10 @@ TPU_LANES = 128  # a TPU vector register's lanes: an array's last dimension is l
 # block's float32 shard again; the fit kept the embedding's and the tokens' terms. XLA:CPU gathers the whole model
 # and keeps whole gradients (4N each); libtpu does neither. Fitted: bench/lora_fit_accel.py collect --full --target
 # v5e-8 --devices 8 and 4 (2026-11-28, libtpu 0.0.42.1: TinyLlama, Llama-3.2-1B, Qwen2.5-0.5B, Mistral-7B at 2 and 8
-# layers, 1 x 512 and 2 x 1,024 a chip; 32 compiles, worst 11.9%, 29 within 10%; were +19% .. +288%).
-TPU_FSDP_FULL = (0.0, 1.28, 0.58, 6.14, 0.0)
+# layers, 1 x 512 and 2 x 1,024 a chip; 32 compiles; were +19% .. +288%). Refitted to libtpu's HBM figure
+# (slm.train.builder.compiled_peak, the same 32 shapes recompiled): worst 18.3% (Llama-3.2-1B at 8 layers over 4
+# chips +16%, TinyLlama at 2 over 8 -18%), 29 within 10%.
+TPU_FSDP_FULL = (0.0, 1.09, 0.16, 4.44, 0.0)
 # With an nf4 base XLA:CPU holds 0.82-0.99x the activations the coefficients give (5 shapes at 2 and 4 layers:
 # smollm2 0.82, qwen2.5 0.85, llama-3.2-1b 0.98, tinyllama 0.99); the middle of that range.
 NF4_ACTIVATIONS = 0.9
