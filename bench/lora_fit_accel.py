@@ -103,7 +103,8 @@ def collect(a: argparse.Namespace) -> None:
                             with compile_only():
                                 compiled = compile_step(build(spec, mesh))[0]
                             rec["xla"] = compiled_peak(compiled)  # a TPU's HBM (slm.train.builder.compiled_peak)
-                            rec["peak_memory"] = compiled.memory_analysis().peak_memory_in_bytes  # with its VMEM
+                            if target.platform == "tpu":  # libtpu's peak with its VMEM, beside it
+                                rec["peak_memory"] = compiled.memory_analysis().peak_memory_in_bytes
                             rec["est"] = device_breakdown(shape, S, B, mixed_precision=mixed, gradient_checkpointing=remat,
                                                           finetune=None if a.full else Finetune(16, ("q_proj", "v_proj"), dtype),
                                                           platform=target.platform, devices=n, fsdp=n > 1,
@@ -195,10 +196,13 @@ def fit(a: argparse.Namespace) -> None:
     import numpy as np
     from plan_for_xla import relative_nnls  # bench/, beside this script
 
+    from slm.memory.targets import load_target
+
     with open(a.data) as f:
         recs = [json.loads(line) for line in f]
-    for r in recs:  # a TPU's figure is the smaller of the two (compiled_peak), whichever rule collected it
-        r["xla"] = min(r["xla"], r.get("peak_memory") or r["xla"])
+    for r in recs:  # a TPU record's figure is the smaller of the two (compiled_peak), whichever rule collected it
+        if "peak_memory" in r and load_target(r.get("target", "h100-80gb")).platform == "tpu":
+            r["xla"] = min(r["xla"], r["peak_memory"])
     if any(r.get("optimizer") == "muon" for r in recs):
         return fit_fsdp(a, [r for r in recs if r.get("optimizer") == "muon"], full_columns, MUON_NAMES)
     recs = [r for r in recs if r.get("optimizer", "adamw") == "adamw"]
