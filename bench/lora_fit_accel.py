@@ -47,6 +47,7 @@ import json
 import os
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,6 +56,7 @@ FIT_MODELS = ("smollm2-135m", "qwen2.5-0.5b", "tinyllama-1.1b", "mistral-7b-v0.1
 FIT_TOKENS = ((1, 512), (2, 1024))  # micro-batch, seq
 SETTINGS = ((False, False), (False, True), (True, False), (True, True))  # remat, mixed precision
 MB = 2**20
+MEMORY_PARTS = ("argument", "output", "alias", "temp", "generated_code")  # XLA memory analysis: <part>_size_in_bytes
 
 
 def collect(a: argparse.Namespace) -> None:
@@ -103,8 +105,9 @@ def collect(a: argparse.Namespace) -> None:
                             with compile_only():
                                 compiled = compile_step(build(spec, mesh))[0]
                             rec["xla"] = compiled_peak(compiled)  # a TPU's HBM (slm.train.builder.compiled_peak)
-                            if target.platform == "tpu":  # libtpu's peak with its VMEM, beside it
-                                rec["peak_memory"] = compiled.memory_analysis().peak_memory_in_bytes
+                            ma = compiled.memory_analysis()  # its parts, for a later rule of the figure (fit)
+                            rec["memory"] = {k: getattr(ma, f"{k}_size_in_bytes") for k in MEMORY_PARTS}
+                            rec["memory"]["peak"] = getattr(ma, "peak_memory_in_bytes", 0)
                             rec["est"] = device_breakdown(shape, S, B, mixed_precision=mixed, gradient_checkpointing=remat,
                                                           finetune=None if a.full else Finetune(16, ("q_proj", "v_proj"), dtype),
                                                           platform=target.platform, devices=n, fsdp=n > 1,
@@ -197,12 +200,16 @@ def fit(a: argparse.Namespace) -> None:
     from plan_for_xla import relative_nnls  # bench/, beside this script
 
     from slm.memory.targets import load_target
+    from slm.train.builder import tpu_hbm
 
     with open(a.data) as f:
         recs = [json.loads(line) for line in f]
-    for r in recs:  # a TPU record's figure is the smaller of the two (compiled_peak), whichever rule collected it
-        if "peak_memory" in r and load_target(r.get("target", "h100-80gb")).platform == "tpu":
-            r["xla"] = min(r["xla"], r["peak_memory"])
+    tpu = [load_target(r.get("target", "h100-80gb")).platform == "tpu" for r in recs]
+    if any(t and "memory" not in r for r, t in zip(recs, tpu)):  # collected before the figure's parts were kept
+        sys.exit(f"{a.data}: TPU records without their memory analysis (before 2026-11-28 evening): recollect them")
+    for r, t in zip(recs, tpu):  # a TPU record's figure by today's rule (slm.train.builder.tpu_hbm)
+        if t:
+            r["xla"] = tpu_hbm(types.SimpleNamespace(**{f"{k}_size_in_bytes": v for k, v in r["memory"].items()}))
     if any(r.get("optimizer") == "muon" for r in recs):
         return fit_fsdp(a, [r for r in recs if r.get("optimizer") == "muon"], full_columns, MUON_NAMES)
     recs = [r for r in recs if r.get("optimizer", "adamw") == "adamw"]

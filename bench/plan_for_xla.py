@@ -67,11 +67,11 @@ def host() -> str:
         return platform.processor()
 
 
-def rows(kinds: list[str], models: list[str]) -> list[tuple[str, dict]]:
+def rows(kinds: list[str], models: list[str], sizes: tuple[int, ...] = SCRATCH) -> list[tuple[str, dict]]:
     out = []
     if "scratch" in kinds:
         out += [(f"{n // 1_000_000:,}M from scratch, seq {s}", dict(target_params=n, seq_len=s, batch_size=8))
-                for n in SCRATCH for s in (512, 2048)]
+                for n in sizes for s in (512, 2048)]
     ft = dict(seq_len=512, batch_size=1, gradient_checkpointing=True)
     for m in models:
         folder = os.path.join(MODELS, m)
@@ -121,7 +121,8 @@ def sweep(a: argparse.Namespace) -> None:
     print("| run | params | sharding | estimate MB | XLA MB | estimate / XLA | compile s |")
     print("|---|---|---|---|---|---|---|")
     worst, earlier = (0.0, ""), reused(a.reuse)
-    for name, kw in rows(a.rows.split(","), a.models.split(",")):
+    sizes = tuple(int(float(x.rstrip("M")) * 1e6) for x in a.sizes.split(","))
+    for name, kw in rows(a.rows.split(","), a.models.split(","), sizes):
         if a.reuse and name not in earlier:
             continue
         c = Config(**{"use_streaming": True, "plan_for": target.name, "use_mixed_precision": True, **kw})
@@ -533,6 +534,7 @@ def main() -> None:
     s = sub.add_parser("sweep")
     s.add_argument("--target", default="h100-80gb")
     s.add_argument("--rows", default="scratch,lora,qlora,full")
+    s.add_argument("--sizes", default="1M,10M,100M,350M,1000M", help="from scratch (--rows scratch): parameters")
     s.add_argument("--fsdp", action="store_true", help="every row split over the target's devices (FSDP)")
     s.add_argument("--reuse", default="", help="an earlier sweep's output: its rows' XLA figures and shardings, "
                    "re-estimated without compiling (after a change of the arithmetic)")

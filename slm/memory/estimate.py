@@ -143,7 +143,7 @@ COEFFICIENTS = {
 ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] = {
     "gpu": {(False, False): (0.0, 22.04, 8.56, 7.74, 0.0, 0.0), (False, True): (0.0, 11.41, 0.03, 7.97, 0.0, 0.0),
             (True, False): (0.0, 0.0, 10.23, 4.97, 0.0, 0.0), (True, True): (0.0, 0.0, 0.07, 7.72, 0.0, 0.0)},
-    "tpu": {(False, True): (0.0, 9.20, 2.16, 2.10, 0.0, 0.0)},
+    "tpu": {(False, True): (0.0, 6.26, 1.83, 2.63, 0.0, 0.0)},
 }
 
 # Update-phase temporaries in units of 4N, and in units of 4H for Muon's hidden matrices; keyed by 8-bit

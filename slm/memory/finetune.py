@@ -115,17 +115,17 @@ LORA_ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] =
             (True, True): (25.27, 0.96, 0.0, 5.16, 0.0, 0.0)},
 }
 # On a TPU, libtpu's own (remat under mixed precision only, the default there; others fall back to the CPU's):
-# fitted to its compile for a v5e chip, the HBM figure (slm.train.builder.compiled_peak; bench/lora_fit_accel.py,
-# 2026-11-28, libtpu 0.0.42.1: SmolLM2-135M, Qwen2.5-0.5B and Mistral-7B at 2 and 4 layers x float32/bf16/nf4
-# bases x seq 512 x 1 / 1,024 x 2, 36 compiles; worst 29.7%, 29 within 10%, the worst an nf4 base: libtpu holds
-# more of its dequantisation at 512 tokens than at 2,048 on some shapes, which no term in the tokens follows).
+# fitted to its compile for a v5e chip, the HBM figure (slm.train.builder.tpu_hbm; bench/lora_fit_accel.py,
+# 2026-11-28 evening, libtpu 0.0.42.1: SmolLM2-135M, Qwen2.5-0.5B and Mistral-7B at 2 and 4 layers x float32/bf16/
+# nf4 bases x seq 512 x 1 / 1,024 x 2, 36 compiles; worst 19.5%, 33 within 10%, the worst Mistral-7B's nf4 base at
+# 512 tokens: libtpu holds more of its dequantisation there than at 2,048, which no term in the tokens follows).
 # A float base's tied embedding is cast whole for the head there (the casts' sixth term).
-LORA_ACCEL_COEFFICIENTS["tpu"] = {(True, True): (33.35, 0.0, 0.0, 0.0, 0.0, 15.3 * 2**20)}
+LORA_ACCEL_COEFFICIENTS["tpu"] = {(True, True): (5.27, 4.16, 0.0, 0.0, 0.0, 9.4 * 2**20)}
 LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
                             (False, True): (0.39, 0.0, 0.50, 0.87, 0.66, 0.0),
                             (True, False): (0.15, 0.0, 0.0, 0.0, 0.93, 0.0),
                             (True, True): (0.0, 0.17, 0.0, 0.67, 0.90, 0.0)},
-                    "tpu": {(True, True): (0.0, 0.0, 0.0, 0.39, 3.27, 0.83)}}
+                    "tpu": {(True, True): (0.0, 0.0, 0.0, 0.42, 2.85, 0.71)}}
 # libtpu's LoRA step with its base split over the chips (FSDP; remat under mixed precision), beyond each chip's
 # shard of the state and the activations: every block's base shard again (nf4: its codes, else 16-bit), one block
 # gathered, a tied embedding gathered (16-bit), an untied head, the casts of a shard (nf4's, a float32 base's), the
