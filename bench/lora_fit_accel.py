@@ -209,7 +209,7 @@ def fit(a: argparse.Namespace) -> None:
         sys.exit(f"{a.data}: TPU records without their memory analysis (before 2026-11-28 evening): recollect them")
     for r, t in zip(recs, tpu):  # a TPU record's figure by today's rule (slm.train.builder.tpu_hbm)
         if t:
-            r["xla"] = tpu_hbm(types.SimpleNamespace(**{f"{k}_size_in_bytes": v for k, v in r["memory"].items()}))
+            r["xla"] = tpu_hbm(types.SimpleNamespace(**{f"{k}_size_in_bytes": r["memory"][k] for k in MEMORY_PARTS}))
     if any(r.get("optimizer") == "muon" for r in recs):
         return fit_fsdp(a, [r for r in recs if r.get("optimizer") == "muon"], full_columns, MUON_NAMES)
     recs = [r for r in recs if r.get("optimizer", "adamw") == "adamw"]

@@ -186,9 +186,9 @@ def compiled_memory(jitted: Any, *args: Any) -> dict:
     return {**out, "peak": compiled_peak(compiled), "compiled": compiled}
 
 
-# libtpu's HBM beyond the arguments (fitted 2026-11-28 to the least HBM it compiles 7 LoRA steps in, v5e; docs/memory.md):
+# libtpu's HBM beyond the arguments (fitted 2026-11-28 to the least HBM it compiles 8 steps in, v5e; docs/memory.md):
 TPU_OVERLAY_MIB = (13.3, 0.0284)  # its program lives in overlays: ~13.3 MiB + 2.84% of the code (40 MiB of code: 14.4)
-TPU_TEMP_PACKED = 0.75  # with HBM short it packs the temporaries' arena to ~0.57-0.83 of its size with room to spare
+TPU_TEMP_PACKED = 0.75  # with HBM short it packs the temporaries' arena to ~0.57-0.84 of its size with room to spare
 
 
 def compiled_peak(compiled: Any) -> int:
@@ -196,18 +196,18 @@ def compiled_peak(compiled: Any) -> int:
     aliased, or the backend's own peak figure where it is larger. On a TPU, the least HBM libtpu compiles the
     program in (tpu_hbm): neither of its own figures is that."""
     m = compiled.memory_analysis()
-    summed = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     if compiled_platform(compiled) == "tpu":
         return tpu_hbm(m)
+    summed = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     return max(summed, getattr(m, "peak_memory_in_bytes", 0) or 0)
 
 
 def tpu_hbm(m: Any) -> int:
     """The HBM libtpu needs for a program of memory analysis `m`: its arguments and unaliased outputs, its code's
     overlays and its temporaries packed as when HBM is short. Against the least HBM a step compiled in beside a
-    placeholder argument (tests/train/test_tpu_hbm.py), within -5.4% ... +6.8% on 7 LoRA steps: SmolLM2-135M's
+    placeholder argument (tests/train/test_tpu_hbm.py), within -5.4% ... +6.8% on 8 steps: LoRA with SmolLM2-135M's
     nf4 base at 2, 4, 8 and 30 layers (80.6, 93.6, 118, ~255 MiB), its bf16 base at 2 (81), Qwen2.5-0.5B's at 2
-    (~332), Mistral-7B's nf4 at 2 (1,879). libtpu's peak_memory_in_bytes counts what it stages in on-chip VMEM
+    (~332), Mistral-7B's nf4 at 2 (1,879), and Qwen2.5-0.5B's full fine-tune at 2 (~3,095). libtpu's peak_memory_in_bytes counts what it stages in on-chip VMEM
     (+53% at 4 layers) and misses the arena at depth (-20% at 30); the plain sum counts the whole code (578 MiB at
     30 layers, held as 30 MiB of overlays) and the arena laid out with HBM to spare (+33% at 2 layers)."""
     code = m.generated_code_size_in_bytes

@@ -37,14 +37,14 @@ def compile_beside(big_mib: float, model: str, base: str, layers: int = 2, targe
     big = jax.ShapeDtypeStruct((max(int(big_mib * MIB) // 4, 8),), jnp.float32,
                                sharding=NamedSharding(mesh, PartitionSpec()))
 
-    base = () if b.base_abstract is None else (b.base_abstract,)
+    frozen = () if b.base_abstract is None else (b.base_abstract,)  # a LoRA step's base argument
 
-    def beside(big, state, batch, lr, *base):
-        return *step(state, batch, lr, *base), big[:8]
+    def beside(big, state, batch, lr, *frozen):
+        return *step(state, batch, lr, *frozen), big[:8]
 
     with compile_only():
         try:
-            lowered = jax.jit(beside, donate_argnums=1).lower(big, b.abstract, batch, np.float32(0), *base)
+            lowered = jax.jit(beside, donate_argnums=1).lower(big, b.abstract, batch, np.float32(0), *frozen)
             return lowered.compile(), None
         except Exception as e:  # libtpu's RESOURCE_EXHAUSTED
             return None, str(e)
