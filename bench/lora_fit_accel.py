@@ -149,8 +149,9 @@ def columns(r: dict) -> tuple[list[float], float]:
              cast * shape.tie_embeddings * shape.vocab_size * D * cb]  # a tied head cast whole
     platform = load_target(r.get("target", "h100-80gb")).platform
     V, keys = logit_columns(r["V"], None, platform), S if platform == "gpu" else visible_keys(S)  # a TPU: blocked
-    if r["remat"]:
-        return [T * D, T * F, T * H * keys, T * V, 1.0, *casts], T * (L - 1) * D * cb
+    if r["remat"]:  # on a TPU a seventh term: bytes a unit of D each layer past the first holds, whatever the tokens
+        layer = [(L - 1) * D] if platform == "tpu" else []
+        return [T * D, T * F, T * H * keys, T * V, 1.0, *layer, *casts], T * (L - 1) * D * cb
     return [T * L * D, T * L * F, T * L * H * keys, T * V, 1.0, *casts], 0.0
 
 
@@ -161,13 +162,17 @@ def state(r: dict) -> int:
 
 def fsdp_columns(r: dict) -> tuple[list[float], float]:
     """(the fitted columns, slm.memory.finetune.tpu_fsdp_lora_columns, and the known part: the state's shard,
-    the activations and logits) of one compile with the base split over r["devices"] chips."""
-    from slm.memory.finetune import base_cast_bytes, tpu_fsdp_lora_columns
+    the activations and logits by today's terms) of one compile with the base split over r["devices"] chips."""
+    from slm.memory.estimate import device_breakdown
+    from slm.memory.finetune import Finetune, base_cast_bytes, tpu_fsdp_lora_columns
 
     shape = shape_of(r)
     casts = base_cast_bytes(shape, r["dtype"], r["mixed"], r["remat"], "tpu", True)
     cols = tpu_fsdp_lora_columns(shape, r["dtype"], casts, r["devices"], r["B"] * r["S"], 2 if r["mixed"] else 4)
-    return cols, state(r) + r["est"]["activations"] + r["est"]["logits"]
+    dev = device_breakdown(shape, r["S"], r["B"], mixed_precision=r["mixed"], gradient_checkpointing=r["remat"],
+                           finetune=Finetune(16, ("q_proj", "v_proj"), r["dtype"]), platform="tpu",
+                           devices=r["devices"], fsdp=True)
+    return cols, state(r) + dev["activations"] + dev["logits"]
 
 
 def full_fsdp_columns(r: dict) -> tuple[list[float], float]:
@@ -202,11 +207,14 @@ def fit(a: argparse.Namespace) -> None:
     from slm.memory.targets import load_target
     from slm.train.builder import tpu_hbm
 
-    with open(a.data) as f:
-        recs = [json.loads(line) for line in f]
+    recs = []
+    for path in a.data:  # several files fit as one (e.g. 2 and 4 layers, and deeper ones)
+        with open(path) as f:
+            recs += [json.loads(line) for line in f]
     tpu = [load_target(r.get("target", "h100-80gb")).platform == "tpu" for r in recs]
     if any(t and "memory" not in r for r, t in zip(recs, tpu)):  # collected before the figure's parts were kept
-        sys.exit(f"{a.data}: TPU records without their memory analysis (before 2026-11-28 evening): recollect them")
+        sys.exit(f"{' '.join(a.data)}: TPU records without their memory analysis (before 2026-11-28 evening): "
+                 "recollect them")
     for r, t in zip(recs, tpu):  # a TPU record's figure by today's rule (slm.train.builder.tpu_hbm)
         if t:
             r["xla"] = tpu_hbm(types.SimpleNamespace(**{f"{k}_size_in_bytes": r["memory"][k] for k in MEMORY_PARTS}))
@@ -230,8 +238,9 @@ def fit(a: argparse.Namespace) -> None:
         err = (X @ coef + known) / xla - 1
         today = np.array([(r["est"]["total"] - r["est"].get("runtime", 0)) / r["xla"] - 1 for r in rs])
         a_, b_, c_, e_, k_ = coef[:5]
-        print(f"({remat}, {mixed}): ({a_:.2f}, {b_:.2f}, {c_:.3f}, {e_:.2f}, 0.0, {k_ / MB:.1f} * MB), casts "
-              f"({', '.join(f'{x:.2f}' for x in coef[5:])}); worst {np.abs(err).max() * 100:.1f}% over {len(rs)} (the "
+        layer = f", {coef[5]:.0f}" if X.shape[1] > 11 else ""  # a TPU's per-layer term (columns)
+        print(f"({remat}, {mixed}): ({a_:.2f}, {b_:.2f}, {c_:.3f}, {e_:.2f}, 0.0, {k_ / MB:.1f} * MB{layer}), casts "
+              f"({', '.join(f'{x:.2f}' for x in coef[-6:])}); worst {np.abs(err).max() * 100:.1f}% over {len(rs)} (the "
               f"estimate in the file: {today.min() * 100:+.0f}% .. {today.max() * 100:+.0f}%)", flush=True)
         if a.verbose:
             for r, e in zip(rs, err):
@@ -281,7 +290,7 @@ def main() -> None:
     c.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"), help="muon: with --full on one chip")
     c.add_argument("--only", default="", help="one (remat, mixed precision) pair, e.g. True,True (as plan_for_xla.py fit)")
     f = sub.add_parser("fit")
-    f.add_argument("data")
+    f.add_argument("data", nargs="+")
     f.add_argument("--verbose", action="store_true")
     a = p.parse_args()
     (collect if a.what == "collect" else fit)(a)

@@ -116,25 +116,29 @@ LORA_ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] =
 }
 # On a TPU, libtpu's own (remat under mixed precision only, the default there; others fall back to the CPU's):
 # fitted to its compile for a v5e chip, the HBM figure (slm.train.builder.tpu_hbm; bench/lora_fit_accel.py,
-# 2026-11-28 evening, libtpu 0.0.42.1: SmolLM2-135M, Qwen2.5-0.5B and Mistral-7B at 2 and 4 layers x float32/bf16/
-# nf4 bases x seq 512 x 1 / 1,024 x 2, 36 compiles; worst 19.5%, 33 within 10%, the worst Mistral-7B's nf4 base at
-# 512 tokens: libtpu holds more of its dequantisation there than at 2,048, which no term in the tokens follows).
+# 2026-11-28, libtpu 0.0.42.1: SmolLM2-135M, Qwen2.5-0.5B and Mistral-7B at 2 and 4 layers x float32/bf16/nf4 bases
+# x seq 512 x 1 / 1,024 x 2, and SmolLM2 at 8 and 30, Qwen2.5 at 8, bf16/nf4: 48 compiles; worst 20.7%, 41 within
+# 10%; the worst Mistral-7B's nf4 base at 512 tokens: libtpu holds more of its dequantisation there than at 2,048,
+# which no term in the tokens follows). A seventh term: ~4.7 KB a unit of D for each layer past the first,
+# whatever the tokens: libtpu holds more a layer than the remat-saved inputs (SmolLM2's 30 layers at 1 x 512: an
+# arena of 91 MiB for 38 MiB of buffers, 59% fragmented; fitted at 2 and 4 layers only, it was planned 24-33% under).
 # A float base's tied embedding is cast whole for the head there (the casts' sixth term).
-LORA_ACCEL_COEFFICIENTS["tpu"] = {(True, True): (5.27, 4.16, 0.0, 0.0, 0.0, 9.4 * 2**20)}
+LORA_ACCEL_COEFFICIENTS["tpu"] = {(True, True): (0.57, 2.82, 0.611, 0.0, 0.0, 6.6 * 2**20, 4692.0)}
 LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
                             (False, True): (0.39, 0.0, 0.50, 0.87, 0.66, 0.0),
                             (True, False): (0.15, 0.0, 0.0, 0.0, 0.93, 0.0),
                             (True, True): (0.0, 0.17, 0.0, 0.67, 0.90, 0.0)},
-                    "tpu": {(True, True): (0.0, 0.0, 0.0, 0.42, 2.85, 0.71)}}
+                    "tpu": {(True, True): (0.0, 0.0, 0.0, 0.40, 3.04, 0.71)}}
 # libtpu's LoRA step with its base split over the chips (FSDP; remat under mixed precision), beyond each chip's
 # shard of the state and the activations: every block's base shard again (nf4: its codes, else 16-bit), one block
 # gathered, a tied embedding gathered (16-bit), an untied head, the casts of a shard (nf4's, a float32 base's), the
 # tokens of all the chips x D x compute bytes (libtpu gathers activations over the chips in the backward), and with
 # an nf4 base tokens x layers x D x compute bytes (its per-layer hold grows with the tokens; a bf16 base's does not).
-# Fitted: bench/lora_fit_accel.py collect --target v5e-8 --devices 8 (2026-11-28, libtpu 0.0.42.1: TinyLlama,
-# Llama-3.2-1B, Qwen2.5-0.5B, Mistral-7B at 2 and 8 layers, bf16/nf4 (and TinyLlama float32) bases, 1 x 512 and
-# 2 x 1,024 a chip; 36 compiles, worst 28%, 25 within 10%; were -60% .. +190%, 4 within 10%).
-TPU_FSDP_LORA = (1.41, 0.21, 0.68, 0.0, 0.0, 0.0, 1.97, 4.08)
+# Fitted: bench/lora_fit_accel.py collect --target v5e-8 --devices 8 (2026-11-28 night, libtpu 0.0.42.1, the HBM
+# figure and LoRA's TPU terms with their per-layer term: TinyLlama, Llama-3.2-1B, Qwen2.5-0.5B, Mistral-7B at 2 and
+# 8 layers, bf16/nf4 bases, 1 x 512 and 2 x 1,024 a chip; 32 compiles, worst 33.5% (Mistral-7B's nf4 base at 8
+# layers: 510 MB at 512 tokens, 1,684 at 2,048), 18 within 10%; the terms before read them -61% .. , 11 within 10%).
+TPU_FSDP_LORA = (0.61, 0.15, 0.58, 0.19, 0.0, 0.0, 2.15, 1.72)
 # A full fine-tune (every weight trained, from scratch too) on one TPU chip (or each of a data-parallel run's),
 # remat under mixed precision, beyond 16N: libtpu's AdamW update holds ~0.6 float32 copies of every block's weights
 # and ~0.8 of a tied embedding (~2.9 of an untied embedding and head), whatever the tokens; the update phase, the
@@ -356,6 +360,8 @@ def backward_bytes(shape: ModelShape, tokens: int, seq_len: int, coefficients: t
     if layer_coefficients is not None:
         a1, b1, c1 = layer_coefficients[:3]
         per_token = (L - 1) * D * compute_bytes + a1 * D + b1 * F + c1 * H * keys + qk
+        # libtpu's: each layer past the first holds bytes per unit of D whatever the tokens (LORA_ACCEL_COEFFICIENTS)
+        fixed += (layer_coefficients[6] if len(layer_coefficients) > 6 else 0.0) * (L - 1) * D
         return int(tokens * per_token + fixed), int(logits)
     return int(tokens * L * per_layer + fixed), int(logits)
 
