@@ -159,8 +159,10 @@ TPU_LANES = 128  # a TPU vector register's lanes: an array's last dimension is l
 # v5e-8 --devices 8 and 4 (2026-11-28, libtpu 0.0.42.1: TinyLlama, Llama-3.2-1B, Qwen2.5-0.5B, Mistral-7B at 2 and 8
 # layers, 1 x 512 and 2 x 1,024 a chip; 32 compiles; were +19% .. +288%). Refitted to libtpu's HBM figure
 # (slm.train.builder.compiled_peak, the same 32 shapes recompiled): worst 18.3% (Llama-3.2-1B at 8 layers over 4
-# chips +16%, TinyLlama at 2 over 8 -18%), 29 within 10%.
-TPU_FSDP_FULL = (0.0, 1.09, 0.16, 4.44, 0.0)
+# chips +16%, TinyLlama at 2 over 8 -18%), 29 within 10%. Refitted to the least-HBM figure (slm.train.builder.tpu_hbm)
+# with LoRA's TPU terms' per-layer term (2026-11-28 night, the same 32 shapes recompiled): worst 18.2% (the same
+# two), 27 within 10% (the terms before on these: worst 22.3%, 22).
+TPU_FSDP_FULL = (0.0, 0.82, 0.0, 5.36, 0.0)
 # With an nf4 base XLA:CPU holds 0.82-0.99x the activations the coefficients give (5 shapes at 2 and 4 layers:
 # smollm2 0.82, qwen2.5 0.85, llama-3.2-1b 0.98, tinyllama 0.99); the middle of that range.
 NF4_ACTIVATIONS = 0.9
