@@ -35,8 +35,10 @@ XLA:GPU's: with it as known the worst error doubles), a constant, and the base's
 is not the compute dtype as its largest kernel and as its blocks (every layer's, one with remat) in the compute
 dtype (a 16-bit base's and a float32 one's apart: XLA keeps more of the narrowing cast), an nf4 base as its
 largest kernel dequantised, and a float base's tied embedding cast whole as the head (libtpu does, whatever the
-loss's chunk). Relative least squares, non-negative; prints the coefficients (a, b, c, e, 0, k), the
-casts' (16-bit kernels, blocks, float32 kernels, blocks, nf4 kernels, tied head) and the worst error on the peak.
+loss's chunk). Relative least squares, non-negative; prints the coefficients (a, b, c, e, 0, k), on a TPU with
+remat a seventh (bytes a unit of D each layer past the first holds, whatever the tokens), the casts' (16-bit
+kernels, blocks, float32 kernels, blocks, nf4 kernels, tied head) and the worst error on the peak. Several files
+fit as one (e.g. 2- and 4-layer compiles with deeper ones).
 """
 
 from __future__ import annotations
