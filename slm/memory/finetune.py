@@ -137,7 +137,7 @@ LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
 # Fitted: bench/lora_fit_accel.py collect --target v5e-8 --devices 8 (2026-11-28 night, libtpu 0.0.42.1, the HBM
 # figure and LoRA's TPU terms with their per-layer term: TinyLlama, Llama-3.2-1B, Qwen2.5-0.5B, Mistral-7B at 2 and
 # 8 layers, bf16/nf4 bases, 1 x 512 and 2 x 1,024 a chip; 32 compiles, worst 33.5% (Mistral-7B's nf4 base at 8
-# layers: 510 MB at 512 tokens, 1,684 at 2,048), 18 within 10%; the terms before read them -61% .. , 11 within 10%).
+# layers: 510 MB at 512 tokens, 1,684 at 2,048), 18 within 10%; the terms before: worst 61%, 11 within 10%).
 TPU_FSDP_LORA = (0.61, 0.15, 0.58, 0.19, 0.0, 0.0, 2.15, 1.72)
 # A full fine-tune (every weight trained, from scratch too) on one TPU chip (or each of a data-parallel run's),
 # remat under mixed precision, beyond 16N: libtpu's AdamW update holds ~0.6 float32 copies of every block's weights
