@@ -3,6 +3,7 @@
     .venv/bin/python bench/plan_for_xla.py sweep --target h100-80gb [--rows scratch,lora,qlora,full] [--models ...]
     .venv/bin/python bench/plan_for_xla.py sweep --target v5e-8 --reuse sweep.md   # re-estimate its rows, no compile
     .venv/bin/python bench/plan_for_xla.py sweep --target v5e-8 --rows full --fsdp  # full fine-tunes over the 8 chips
+    .venv/bin/python bench/plan_for_xla.py muon-dp --target v5e-8   # Muon's update over a TPU slice's chips
     .venv/bin/python bench/plan_for_xla.py sampler        # seed 002's QLoRA sampler on an A10G: before / after
     .venv/bin/python bench/plan_for_xla.py seed002        # seed 002's settings on an A10G 24 GB, and a 1B on v5e-8
     .venv/bin/python bench/plan_for_xla.py device-plan --out bench/out/plan.json    # --plan-for h100-80gb, here
@@ -528,6 +529,49 @@ def device_compare(a: argparse.Namespace) -> None:
               f"{d:,.0f} | {mb:,.0f} | {before} | {mb / p:.3f} | {mb / d:.3f} |")
 
 
+# muon-dp: the data-parallel Muon update on a TPU slice (TPU_DP_MUON_UPDATE): width, d_ff, heads, vocab of the
+# 350M/100M presets and three more widths, cut to a few layers; (width, d_ff, heads, vocab, layers, seqs a chip)
+MUON_DP_ROWS = [(512, 1376, 8, 4096, 4, 2), (768, 2048, 12, 4096, 4, 2), (640, 1616, 10, 8192, 6, 8),
+                (640, 1616, 10, 8192, 8, 8), (640, 1616, 10, 8192, 8, 2), (1024, 2752, 16, 8192, 6, 8),
+                (1024, 2752, 16, 8192, 8, 2)] + [
+    (960, 2552, 15, 8192, L, b) for L, b in ((6, 8), (8, 8), (8, 2), (12, 8))]
+
+
+def muon_dp(a: argparse.Namespace) -> None:
+    """Each row's Muon step (bf16 compute, seq 512) compiled for one chip of the target and for all of them, data
+    parallel: libtpu's peaks, the terms' figure over the chips, and the float32 hidden-matrix copies the chips
+    hold beyond the state (and AdamW's 4N) that the extra implies: a bound (≤) where the chips hold no more than one
+    chip, whose peak is the backward."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from slm.memory.estimate import device_breakdown
+    from slm.model.sizing import ModelShape, hidden_matrix_shapes
+    from slm.train.aot import compile_only, target_devices
+    from slm.train.builder import StepSpec, build, compile_step, compiled_peak
+    from slm.train.devices import start_backend
+
+    start_backend()
+    t = load_target(a.target)
+    devices, mb = target_devices(t), 2**20
+    print(f"{a.target}, {time.strftime('%Y-%m-%d')}, {host()}\n| D | F | L | seqs a chip | one chip MB | "
+          f"{t.count} chips MB | planned MB | planned / XLA | copies |\n|---|---|---|---|---|---|---|---|---|")
+    for D, F, heads, vocab, L, b in MUON_DP_ROWS:
+        shape = ModelShape(vocab_size=vocab, n_layers=L, d_model=D, n_heads=heads, d_ff=F)
+        peaks = []
+        for n in (1, t.count):
+            spec = StepSpec(shape, 512, b * n, 1, True, False, optimizer="muon", platform=t.platform)
+            with compile_only():
+                peaks.append(compiled_peak(compile_step(build(spec, Mesh(np.array(devices[:n]), ("data",))))[0]) / mb)
+        d = device_breakdown(shape, 512, b, devices=t.count, mixed_precision=True, optimizer="muon",
+                             platform=t.platform)
+        state = (d["params"] + d["gradients"] + d["optimizer_state"]) / mb
+        copies = (peaks[1] - state - d["params"] / mb) / (4 * sum(r * c for r, c in hidden_matrix_shapes(shape)) / mb)
+        planned = (d["total"] - d["runtime"]) / mb
+        print(f"| {D} | {F} | {L} | {b} | {peaks[0]:,.0f} | {peaks[1]:,.0f} | {planned:,.0f} | "
+              f"{planned / peaks[1]:.3f} | {'≤' if peaks[1] < 1.02 * peaks[0] else ''}{copies:.2f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -541,6 +585,7 @@ def main() -> None:
     s.add_argument("--models", default=",".join(sorted(m for m in os.listdir(MODELS) if os.path.isdir(
         os.path.join(MODELS, m)))) if os.path.isdir(MODELS) else "")
     sub.add_parser("sampler")
+    sub.add_parser("muon-dp").add_argument("--target", default="v5e-8")
     f = sub.add_parser("fit")
     f.add_argument("--target", default="h100-80gb")
     f.add_argument("--verbose", action="store_true")
@@ -567,7 +612,7 @@ def main() -> None:
         print(json.dumps((trainer_order_row if a.trainer_order else device_row)(a.name, a.models)))
         return
     {"sweep": sweep, "sampler": sampler, "fit": fit, "device-plan": device_plan, "device": device,
-     "device-compare": device_compare}[a.what](a)
+     "device-compare": device_compare, "muon-dp": muon_dp}[a.what](a)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ from slm.model.sizing import (
     count_params,
     default_vocab_size,
     hidden_matrix_shapes,
+    muon_stacks,
     optimizer_state_bytes,
 )
 
@@ -158,6 +159,13 @@ GPU_MUON_UPDATE_TEMPS = {False: 1.92, True: MUON_UPDATE_TEMPS[True]}
 # 0.96-0.99x the 16 bytes a parameter of params, gradients and moments); 8-bit: CPU's (not measured).
 GPU_ADAMW_UPDATE_TEMPS = {False: 0.0, True: UPDATE_TEMPS[True]}
 # libtpu's holds more (a full fine-tune under remat and mixed precision, float32 moments): finetune.TPU_FULL_UPDATE.
+# libtpu, data parallel: the Newton-Schulz work is shared out (slm.optim.muon.shared_newton_schulz), but each chip
+# holds the stacks it was handed and the all-gather's result whole (one of them padded to a multiple of the chips),
+# their slices and relayout copies: TPU_DP_MUON_UPDATE float32 copies of the hidden matrices beside AdamW's 4N.
+# Traced in libtpu's live ranges; 11 shapes compiled for a v5e-8 (bench/plan_for_xla.py muon-dp, widths 512-1,024,
+# 4-12 layers, 2 and 8 sequences of 512 a chip, 2026-11-29): the copies run 2.0 (512 wide) to 4.5 (960), and 3.5
+# plans those within -9.1% ... +9.5% but 640 / 512 wide at 2 sequences +15% / +26% (docs/memory.md).
+TPU_DP_MUON_UPDATE = 3.5
 
 # Host RSS terms (MB), fitted to 24 trainer runs (module docstring). Post-compile RSS after the heap's trim:
 # float32 4/9/15/20 layers 387-394/415-429/451-486/488-517; 8-bit adds 15-80 (1M-100M params).
@@ -265,6 +273,9 @@ def update_bytes(shape: ModelShape, trained: int, use_8bit: bool, optimizer: str
     hidden = sum(a * b for a, b in hidden_matrix_shapes(shape)) if optimizer == "muon" else 0
     muon = (GPU_MUON_UPDATE_TEMPS if platform == "gpu" else MUON_UPDATE_TEMPS)[use_8bit]
     temps = GPU_ADAMW_UPDATE_TEMPS[use_8bit] if platform == "gpu" and optimizer == "adamw" else UPDATE_TEMPS[use_8bit]
+    if platform == "tpu" and hidden and shared > 1 and not use_8bit:  # libtpu's: whole on every chip, one padded
+        padded = sum(r * c * -(-n // shared) * shared for (r, c), n in muon_stacks(shape).items())
+        return int(4 * (temps * trained + (TPU_DP_MUON_UPDATE - 1) * hidden + padded))
     return int(4 * (temps * trained + muon * hidden / max(shared, 1)))
 
 

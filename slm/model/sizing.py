@@ -268,6 +268,17 @@ def hidden_matrix_shapes(shape: ModelShape) -> list[tuple[int, int]]:
     return [(D, qkv), (q, D), (D, 2 * F), (F, D)] * shape.n_layers
 
 
+def muon_stacks(shape: ModelShape) -> dict[tuple[int, int], int]:
+    """How many matrices of each (rows, columns) Muon orthogonalises as one stack (slm.optim.muon: fused
+    kernels split into their matrices where they are alike, qkv (D, 3D) into three, gate_up into two)."""
+    D, F, L = shape.d_model, shape.d_ff, shape.n_layers
+    q, qkv = shape.n_heads * shape.head_dim, (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim
+    stacks: dict[tuple[int, int], int] = {}
+    for matrix, count in (((D, D), 3) if qkv == 3 * D else ((D, qkv), 1), ((q, D), 1), ((D, F), 2), ((F, D), 1)):
+        stacks[matrix] = stacks.get(matrix, 0) + count * L
+    return stacks
+
+
 def optimizer_state_bytes(shape: ModelShape, use_8bit: bool = False, accumulation: int = 1,
                           min_8bit_size: int = 4096, block: int = 256, optimizer: str = "adamw") -> int:
     """Exact bytes of train_step.make_optimizer's state for this model (tests check it against nbytes).

@@ -41,6 +41,20 @@ def test_fused_kernels_are_viewed_as_their_parts_unless_widths_differ():
     assert gqa.ndim == 2  # q is 64 wide, k and v 32: taken whole
 
 
+@pytest.mark.parametrize("shape", [choose_shape(300_000, 512), GQA], ids=["own", "gqa"])
+def test_the_memory_terms_count_the_stacks_the_optimizer_builds(shape):
+    """slm.model.sizing.muon_stacks (the TPU update term's padding) against the split view's own matrices."""
+    from slm.model.sizing import muon_stacks
+
+    view, kinds = split_view(params_of(shape)), labels(params_of(shape))
+    stacks: dict = {}
+    for x, kind in zip(jax.tree.leaves(view), jax.tree.leaves(kinds)):
+        if kind == "muon":
+            key = (x.shape[0], x.shape[-1])
+            stacks[key] = stacks.get(key, 0) + (x.shape[1] if x.ndim == 3 else 1)
+    assert muon_stacks(shape) == stacks
+
+
 def test_each_part_of_a_fused_kernel_gets_an_orthogonal_update():
     """A q gradient 1000x smaller than k's still moves q as much: Newton-Schulz runs on q, k and v apart."""
     shape = choose_shape(300_000, 512)
