@@ -271,11 +271,10 @@ def hidden_matrix_shapes(shape: ModelShape) -> list[tuple[int, int]]:
 def muon_stacks(shape: ModelShape) -> dict[tuple[int, int], int]:
     """How many matrices of each (rows, columns) Muon orthogonalises as one stack (slm.optim.muon: fused
     kernels split into their matrices where they are alike, qkv (D, 3D) into three, gate_up into two)."""
-    D, F, L = shape.d_model, shape.d_ff, shape.n_layers
-    q, qkv = shape.n_heads * shape.head_dim, (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim
+    qkv, o, gate_up, down = hidden_matrix_shapes(shape)[:4]
     stacks: dict[tuple[int, int], int] = {}
-    for matrix, count in (((D, D), 3) if qkv == 3 * D else ((D, qkv), 1), ((q, D), 1), ((D, F), 2), ((F, D), 1)):
-        stacks[matrix] = stacks.get(matrix, 0) + count * L
+    for (rows, cols), parts in ((qkv, 3 if qkv[1] == 3 * qkv[0] else 1), (o, 1), (gate_up, 2), (down, 1)):
+        stacks[(rows, cols // parts)] = stacks.get((rows, cols // parts), 0) + parts * shape.n_layers
     return stacks
 
 
