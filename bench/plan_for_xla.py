@@ -93,7 +93,7 @@ def estimate_device_mb(c: Config, shape, target) -> float:
     from slm.memory.finetune import GPU_RUNTIME_MB
     from slm.train.plan_for import planned_mb
 
-    return planned_mb(c, shape, target) - (GPU_RUNTIME_MB if target.platform != "cpu" else 0.0)
+    return planned_mb(c, shape, target) - (GPU_RUNTIME_MB if target.platform == "gpu" else 0.0)
 
 
 def reused(path: str) -> dict[str, tuple[str, float]]:
@@ -567,7 +567,7 @@ def muon_dp(a: argparse.Namespace) -> None:
                              platform=t.platform)
         state = (d["params"] + d["gradients"] + d["optimizer_state"]) / mb
         copies = (peaks[1] - state - d["params"] / mb) / (4 * sum(r * c for r, c in hidden_matrix_shapes(shape)) / mb)
-        planned = (d["total"] - d["runtime"]) / mb
+        planned = (d["total"] - d.get("runtime", 0)) / mb
         print(f"| {D} | {F} | {L} | {b} | {peaks[0]:,.0f} | {peaks[1]:,.0f} | {planned:,.0f} | "
               f"{planned / peaks[1]:.3f} | {'≤' if peaks[1] < 1.02 * peaks[0] else ''}{copies:.2f} |", flush=True)
 

@@ -203,7 +203,7 @@ def device_breakdown(
     (activations + logits, and a LoRA step's base casts) and the optimizer update ("update"); the other
     keys are its parts. `finetune` with a LoRA rank: a frozen base and its adapters (slm.memory.finetune).
     `loss_chunk`: --loss-chunk (None: its default for the vocabulary), the logits' columns held at once.
-    Off CPU, remat is modelled as on an accelerator and GPU_RUNTIME_MB is added (finetune's docstring).
+    Off CPU, remat is modelled as on an accelerator; on a GPU GPU_RUNTIME_MB is added (finetune's docstring).
     """
     remat, mixed, ideal = bool(gradient_checkpointing), bool(mixed_precision), gradient_checkpointing and platform != "cpu"
     accumulating = gradient_accumulation_steps > 1
@@ -243,7 +243,7 @@ def device_breakdown(
     out["update"] = (tpu_full_update_bytes(shape) if tpu_full and not tpu_fsdp  # libtpu's, on whole weights
                      else update_bytes(shape, n, bool(use_8bit_optimizer), "adamw" if lora else optimizer,
                                        1 if fsdp else devices, platform))
-    if platform != "cpu":
+    if platform == "gpu":  # the CUDA context; libtpu's reserve lies outside the HBM it offers a program
         out["runtime"] = int(GPU_RUNTIME_MB * MB)
     if fsdp and devices > 1:
         for key in ("params", "base_params", "optimizer_state", "accumulation", "update"):

@@ -36,7 +36,8 @@ Gradient checkpointing on an accelerator is modelled as it is meant to work: eac
 keeps recomputed activations live (docs/memory.md), so on CPU the fitted remat coefficients apply. On a
 GPU the activations' terms are XLA:GPU's own (LORA_ACCEL_COEFFICIENTS); on a TPU libtpu's with remat under
 mixed precision, else still XLA:CPU's.
-On an accelerator GPU_RUNTIME_MB is added to the device total.
+On a GPU GPU_RUNTIME_MB (the CUDA context) is added to the device total; not on a TPU, whose runtime's HBM lies
+outside what libtpu offers a program (the target's usable figure).
 
 An nf4 base is dequantised per matmul and again for its backward (slm.model.nf4.nf4_linear), so no block
 weight is held in a wider dtype: its casts are the head's (held bfloat16, like a bfloat16 base's) plus one
