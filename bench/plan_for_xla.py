@@ -17,8 +17,9 @@ runtime term (the CUDA context, which XLA's buffers do not hold). From scratch a
 512/2048 (8 sequences a device, bf16 compute, the default optimizer), and LoRA r16 on q_proj,v_proj with a
 bf16 base, QLoRA (nf4 base) and full fine-tunes (Muon) of every config.json in ../shared/models (1 sequence of
 512 a device, remat, bf16 compute), and with --rows lora-default LoRA at the flags' defaults (a float32 base
-and products, no remat). On a several-device target, runs whose state does not fit one device are
-FSDP (--fsdp: every row). Prints a markdown table; the goal is within +-10% on every row.
+and products, no remat), --rows scratch-f32 from scratch in float32 (the flags' default). On a several-device
+target, runs whose state does not fit one device are FSDP (--fsdp: every row). Prints a markdown table; the goal
+is within +-10% on every row.
 
 `device-plan` / `device` / `device-compare`: --plan-for's compile-only figures against a real GPU. Each row
 (DEVICE_ROWS) is a run --plan-for h100-80gb plans (slm.train.plan_for.compile_programs: train step, eval step,
@@ -72,6 +73,10 @@ def rows(kinds: list[str], models: list[str], sizes: tuple[int, ...] = SCRATCH) 
     out = []
     if "scratch" in kinds:
         out += [(f"{n // 1_000_000:,}M from scratch, seq {s}", dict(target_params=n, seq_len=s, batch_size=8))
+                for n in sizes for s in (512, 2048)]
+    if "scratch-f32" in kinds:  # the flags' default: float32 compute
+        out += [(f"{n // 1_000_000:,}M from scratch, seq {s}, float32", dict(target_params=n, seq_len=s, batch_size=8,
+                                                                              use_mixed_precision=False))
                 for n in sizes for s in (512, 2048)]
     ft = dict(seq_len=512, batch_size=1, gradient_checkpointing=True)
     for m in models:

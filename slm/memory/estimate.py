@@ -138,13 +138,13 @@ COEFFICIENTS = {
 # to libtpu's compile for a v5e chip, its HBM figure (slm.train.builder.compiled_peak; bench/plan_for_xla.py fit
 # --target v5e-1, 2026-11-28, libtpu 0.0.42.1) on the widths people train there (384-1,024, heads of 32-128) at 2
 # and 6 layers, seq 512-2,048, minimising the relative error of the whole peak: worst 10.2% at 6 layers (32% at
-# 2, where fixed costs weigh in).
+# 2, where fixed costs weigh in); float32 compute (the flags' default; 2026-11-29, the same 18 shapes): worst 11.8%.
 # It runs training's blocked attention and keeps its probabilities for the backward (c: ~2.3 bytes a score, in
 # bf16 plus their float32 sums), no fused kernel. Settings not fitted there fall back to COEFFICIENTS.
 ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] = {
     "gpu": {(False, False): (0.0, 22.04, 8.56, 7.74, 0.0, 0.0), (False, True): (0.0, 11.41, 0.03, 7.97, 0.0, 0.0),
             (True, False): (0.0, 0.0, 10.23, 4.97, 0.0, 0.0), (True, True): (0.0, 0.0, 0.07, 7.72, 0.0, 0.0)},
-    "tpu": {(False, True): (0.0, 6.26, 1.83, 2.63, 0.0, 0.0)},
+    "tpu": {(False, True): (0.0, 6.26, 1.83, 2.63, 0.0, 0.0), (False, False): (0.0, 12.72, 3.24, 2.34, 0.0, 0.0)},
 }
 
 # Update-phase temporaries in units of 4N, and in units of 4H for Muon's hidden matrices; keyed by 8-bit

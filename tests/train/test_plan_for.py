@@ -162,18 +162,20 @@ def device_part(est: dict) -> int:
 
 
 @pytest.mark.slow
-def test_the_arithmetic_for_a_tpu_is_within_10_percent_of_xlas_compile():
+@pytest.mark.parametrize("mixed", [True, False])
+def test_the_arithmetic_for_a_tpu_is_within_10_percent_of_xlas_compile(mixed):
     """A from-scratch step's device figure for a TPU (slm.memory.estimate's "tpu" terms) against libtpu's own
     buffer assignment for a compile-only v5e chip, at a shape and token count the terms were not fitted on (5
-    layers of 768, 12 heads of 64, vocab 6,144, seq 1,024 x 4, bf16 compute, AdamW). On XLA:CPU's terms, which
-    a TPU was planned on before, the arithmetic was about twice XLA's figure."""
+    layers of 768, 12 heads of 64, vocab 6,144, seq 1,024 x 4, bf16 or float32 compute, AdamW). On XLA:CPU's
+    terms, which a TPU was planned on before, the arithmetic was about twice XLA's figure (bf16; float32 until
+    2026-11-29: +92.5%; +2.6% on its own terms)."""
     from slm.memory.estimate import device_breakdown
     from slm.model.sizing import ModelShape
     from slm.train.builder import StepSpec
 
     shape = ModelShape(vocab_size=6144, n_layers=5, d_model=768, n_heads=12, d_ff=2048)
-    xla = compiled_peak_for(StepSpec(shape, 1024, 4, 1, True, False, optimizer="adamw", platform="tpu"), "v5e-1")
-    est = device_breakdown(shape, 1024, 4, mixed_precision=True, optimizer="adamw", platform="tpu")
+    xla = compiled_peak_for(StepSpec(shape, 1024, 4, 1, mixed, False, optimizer="adamw", platform="tpu"), "v5e-1")
+    est = device_breakdown(shape, 1024, 4, mixed_precision=mixed, optimizer="adamw", platform="tpu")
     assert device_part(est) == pytest.approx(xla, rel=0.1)
 
 
