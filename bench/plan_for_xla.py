@@ -71,13 +71,11 @@ def host() -> str:
 
 def rows(kinds: list[str], models: list[str], sizes: tuple[int, ...] = SCRATCH) -> list[tuple[str, dict]]:
     out = []
-    if "scratch" in kinds:
-        out += [(f"{n // 1_000_000:,}M from scratch, seq {s}", dict(target_params=n, seq_len=s, batch_size=8))
-                for n in sizes for s in (512, 2048)]
-    if "scratch-f32" in kinds:  # the flags' default: float32 compute
-        out += [(f"{n // 1_000_000:,}M from scratch, seq {s}, float32", dict(target_params=n, seq_len=s, batch_size=8,
-                                                                              use_mixed_precision=False))
-                for n in sizes for s in (512, 2048)]
+    # bf16 compute (the sweep's default), and float32, the flags' default
+    for kind, suffix, extra in (("scratch", "", {}), ("scratch-f32", ", float32", {"use_mixed_precision": False})):
+        if kind in kinds:
+            out += [(f"{n // 1_000_000:,}M from scratch, seq {s}{suffix}",
+                     dict(target_params=n, seq_len=s, batch_size=8, **extra)) for n in sizes for s in (512, 2048)]
     ft = dict(seq_len=512, batch_size=1, gradient_checkpointing=True)
     for m in models:
         folder = os.path.join(MODELS, m)
@@ -94,11 +92,11 @@ def rows(kinds: list[str], models: list[str], sizes: tuple[int, ...] = SCRATCH) 
 
 
 def estimate_device_mb(c: Config, shape, target) -> float:
-    """--plan-for's planned figure less its runtime term (the CUDA context, which XLA's buffers do not hold)."""
-    from slm.memory.finetune import GPU_RUNTIME_MB
-    from slm.train.plan_for import planned_mb
+    """--plan-for's planned figure less its runtime term (a GPU's CUDA context, which XLA's buffers do not hold)."""
+    from slm.train.plan_for import planned
 
-    return planned_mb(c, shape, target) - (GPU_RUNTIME_MB if target.platform == "gpu" else 0.0)
+    est = planned(c, shape, target)
+    return est["device_total_mb"] - est.get("runtime_mb", 0.0)
 
 
 def reused(path: str) -> dict[str, tuple[str, float]]:
