@@ -17,6 +17,9 @@
     .venv/bin/python bench/lora_fit_accel.py fit H      # a full fine-tune on one chip: TPU_FULL_UPDATE
     .venv/bin/python bench/lora_fit_accel.py collect --full --optimizer muon --target v5e-1 ... --out M
     .venv/bin/python bench/lora_fit_accel.py fit M      # Muon on one chip: the same columns (not in the estimate yet)
+    .venv/bin/python bench/lora_fit_accel.py collect --target v5e-1 --only False,False \
+        --models smollm2-135m,qwen2.5-0.5b,mistral-7b-v0.1 --out T   # and --layers 30 (SmolLM2), 8 (Qwen2.5)
+    .venv/bin/python bench/lora_fit_accel.py fit T      # the flags' default on a TPU (~46 min of compiles on 2 cores)
 
 `collect`: the trainer's LoRA train step (r16 on q_proj,v_proj, AdamW; slm.train.builder) compiled for one
 compile-only device of the target (--plan-for's, slm.train.aot) at SmolLM2-135M's, Qwen2.5-0.5B's, TinyLlama's
@@ -34,9 +37,10 @@ known), then tokens x logit columns (XLA:CPU's loop beyond them, CHUNKED_BYTES_P
 XLA:GPU's: with it as known the worst error doubles), a constant, and the base's casts: a float base whose dtype
 is not the compute dtype as its largest kernel and as its blocks (every layer's, one with remat) in the compute
 dtype (a 16-bit base's and a float32 one's apart: XLA keeps more of the narrowing cast), an nf4 base as its
-largest kernel dequantised, and a float base's tied embedding cast whole as the head (libtpu does, whatever the
-loss's chunk). Relative least squares, non-negative; prints the coefficients (a, b, c, e, 0, k), on a TPU with
-remat a seventh (bytes a unit of D each layer past the first holds, whatever the tokens), the casts' (16-bit
+largest kernel dequantised, and a float32 base's tied embedding whole again in the compute dtype as the head
+(libtpu casts it under mixed precision and relays it out in float32, whatever the loss's chunk). Relative least
+squares, non-negative; prints the coefficients (a, b, c, e, 0, k), on a TPU a seventh (bytes a unit of D each
+layer past the first holds, whatever the tokens), the casts' (16-bit
 kernels, blocks, float32 kernels, blocks, nf4 kernels, tied head) and the worst error on the peak. Several files
 fit as one (e.g. 2- and 4-layer compiles with deeper ones).
 """
@@ -148,13 +152,13 @@ def columns(r: dict) -> tuple[list[float], float]:
     wide, nf4, layers = r["dtype"] == "float32", r["dtype"] == "nf4", 1 if r["remat"] else L
     casts = [cast * (not wide) * kernel * cb, cast * (not wide) * block * cb * layers,  # a 16-bit base's
              cast * wide * kernel * cb, cast * wide * block * cb * layers, nf4 * kernel * cb,  # a float32's, nf4's
-             cast * shape.tie_embeddings * shape.vocab_size * D * cb]  # a tied head cast whole
+             wide * shape.tie_embeddings * shape.vocab_size * D * cb]  # a float32 base's tied head again, whole
     platform = load_target(r.get("target", "h100-80gb")).platform
     V, keys = logit_columns(r["V"], None, platform), S if platform == "gpu" else visible_keys(S)  # a TPU: blocked
-    if r["remat"]:  # on a TPU a seventh term: bytes a unit of D each layer past the first holds, whatever the tokens
-        layer = [(L - 1) * D] if platform == "tpu" else []
+    layer = [(L - 1) * D] if platform == "tpu" else []  # a seventh term: bytes a unit of D each layer past the
+    if r["remat"]:  # first holds, whatever the tokens
         return [T * D, T * F, T * H * keys, T * V, 1.0, *layer, *casts], T * (L - 1) * D * cb
-    return [T * L * D, T * L * F, T * L * H * keys, T * V, 1.0, *casts], 0.0
+    return [T * L * D, T * L * F, T * L * H * keys, T * V, 1.0, *layer, *casts], 0.0
 
 
 def state(r: dict) -> int:

@@ -26,16 +26,18 @@ or any base under mixed precision, gets float32 copies of all its matmul weights
 step, remat or not (CAST_CPU, fitted). On a GPU, XLA:GPU's own compile decides (LORA_ACCEL_CASTS, fitted to
 its buffer assignment): a 16-bit base keeps about one kernel's copy at a time, a float32 base under mixed
 precision most of its bf16 blocks, an nf4 base one kernel dequantised. On a TPU with remat under mixed
-precision libtpu's compile decides the same way (fitted: a float32 base about half a block's copy and its tied
-embedding cast whole, an nf4 base ~3 kernels' worth of its dequantisation). Elsewhere on a TPU (assumed, not
-fitted) only a base whose dtype differs from the compute dtype is cast: all layers' copies are held without
-remat, one layer's with it (a block's casts are recomputed in its backward), and the head's copy always.
+precision, and with neither (the flags' default), libtpu's compile decides the same way (fitted: with both a
+float32 base about half a block's copy and its tied embedding cast whole, an nf4 base ~3 kernels' worth of its
+dequantisation; with neither a 16-bit base no copy, a float32 base's tied embedding half again (relaid out for
+the head), an nf4 base ~4 kernels' worth). Elsewhere on a TPU (assumed, not fitted) only a base whose dtype
+differs from the compute dtype is cast: all layers' copies are held without remat, one layer's with it (a
+block's casts are recomputed in its backward), and the head's copy always.
 
 Gradient checkpointing on an accelerator is modelled as it is meant to work: each block's input kept
 (D x compute bytes per token per layer) plus one block's activations while it is recomputed. XLA:CPU
 keeps recomputed activations live (docs/memory.md), so on CPU the fitted remat coefficients apply. On a
 GPU the activations' terms are XLA:GPU's own (LORA_ACCEL_COEFFICIENTS); on a TPU libtpu's with remat under
-mixed precision, else still XLA:CPU's.
+mixed precision and with neither, else still XLA:CPU's.
 On a GPU GPU_RUNTIME_MB (the CUDA context) is added to the device total; not on a TPU, whose runtime's HBM lies
 outside what libtpu offers a program (the target's usable figure).
 
@@ -123,13 +125,19 @@ LORA_ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] =
 # which no term in the tokens follows). A seventh term: ~4.7 KB a unit of D for each layer past the first,
 # whatever the tokens: libtpu holds more a layer than the remat-saved inputs (SmolLM2's 30 layers at 1 x 512: an
 # arena of 91 MiB for 38 MiB of buffers, 59% fragmented; fitted at 2 and 4 layers only, it was planned 24-33% under).
-# A float base's tied embedding is cast whole for the head there (the casts' sixth term).
-LORA_ACCEL_COEFFICIENTS["tpu"] = {(True, True): (0.57, 2.82, 0.611, 0.0, 0.0, 6.6 * 2**20, 4692.0)}
+# A float32 base's tied embedding is cast whole for the head there (the casts' sixth term). Without remat in float32
+# compute (the flags' default), refitted the same way (2026-11-29: the same three models at 2 and 4 layers, SmolLM2 at
+# 30, Qwen2.5 at 8, float32/bf16/nf4 bases x 1 x 512 / 2 x 1,024; 48 compiles, worst 22.5% (nf4 bases), 39 within 10%,
+# float32 bases -10.0% .. +2.9%; XLA:CPU's terms were -53% .. +167%): libtpu copies no 16-bit base to float32, holds a
+# float32 base's tied embedding about half again (relaid out for the head), an nf4 base ~4 kernels dequantised.
+LORA_ACCEL_COEFFICIENTS["tpu"] = {(True, True): (0.57, 2.82, 0.611, 0.0, 0.0, 6.6 * 2**20, 4692.0),
+                                  (False, False): (35.65, 0.17, 3.441, 0.0, 0.0, 0.0, 7832.0)}
 LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
                             (False, True): (0.39, 0.0, 0.50, 0.87, 0.66, 0.0),
                             (True, False): (0.15, 0.0, 0.0, 0.0, 0.93, 0.0),
                             (True, True): (0.0, 0.17, 0.0, 0.67, 0.90, 0.0)},
-                    "tpu": {(True, True): (0.0, 0.0, 0.0, 0.40, 3.04, 0.71)}}
+                    "tpu": {(True, True): (0.0, 0.0, 0.0, 0.40, 3.04, 0.71),
+                            (False, False): (0.0, 0.0, 0.0, 0.0, 4.28, 0.48)}}
 # libtpu's LoRA step with its base split over the chips (FSDP; remat under mixed precision), beyond each chip's
 # shard of the state and the activations: every block's base shard again (nf4: its codes, else 16-bit), one block
 # gathered, a tied embedding gathered (16-bit), an untied head, the casts of a shard (nf4's, a float32 base's), the
@@ -315,8 +323,8 @@ def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, r
         # a head wider than the loss's chunk is cast a chunk at a time; an unchunked one whole (not measured: every
         # fitted vocabulary is chunked on a GPU)
         whole_head = head if held != compute and not chunked_loss else 0
-        copies = (cast * (kernels * largest_kernel(shape) + blocks * (1 if remat else shape.n_layers) * block
-                          + tied * shape.tie_embeddings * shape.vocab_size * shape.d_model)
+        copies = (cast * (kernels * largest_kernel(shape) + blocks * (1 if remat else shape.n_layers) * block)
+                  + (base_dtype == "float32") * tied * shape.tie_embeddings * shape.vocab_size * shape.d_model
                   + (base_dtype == "nf4") * nf4_kernels * largest_kernel(shape))
         return int(DTYPE_BYTES[compute] * (copies + whole_head))
     if base_dtype == "nf4":  # the head as a bfloat16 base's, and one block kernel dequantised at a time
@@ -360,11 +368,12 @@ def backward_bytes(shape: ModelShape, tokens: int, seq_len: int, coefficients: t
     g_token, g_layer = GEMMA_BLOCK_BYTES[compute_bytes] if shape.sandwich_norms and platform == "cpu" else (0, 0)
     fixed += g_layer * L * D * D
     per_layer = a * D + b * F + c * H * keys + qk + g_token * D
+    # libtpu's: each layer past the first holds bytes per unit of D whatever the tokens (LORA_ACCEL_COEFFICIENTS)
+    deep = coefficients if layer_coefficients is None else layer_coefficients
+    fixed += (deep[6] if len(deep) > 6 else 0.0) * (L - 1) * D
     if layer_coefficients is not None:
         a1, b1, c1 = layer_coefficients[:3]
         per_token = (L - 1) * D * compute_bytes + a1 * D + b1 * F + c1 * H * keys + qk
-        # libtpu's: each layer past the first holds bytes per unit of D whatever the tokens (LORA_ACCEL_COEFFICIENTS)
-        fixed += (layer_coefficients[6] if len(layer_coefficients) > 6 else 0.0) * (L - 1) * D
         return int(tokens * per_token + fixed), int(logits)
     return int(tokens * L * per_layer + fixed), int(logits)
 
