@@ -155,8 +155,9 @@ def columns(r: dict) -> tuple[list[float], float]:
              wide * shape.tie_embeddings * shape.vocab_size * D * cb]  # a float32 base's tied head again, whole
     platform = load_target(r.get("target", "h100-80gb")).platform
     V, keys = logit_columns(r["V"], None, platform), S if platform == "gpu" else visible_keys(S)  # a TPU: blocked
-    layer = [(L - 1) * D] if platform == "tpu" else []  # a seventh term: bytes a unit of D each layer past the
-    if r["remat"]:  # first holds, whatever the tokens
+    # on a TPU a seventh term: bytes a unit of D each layer past the first holds, whatever the tokens
+    layer = [(L - 1) * D] if platform == "tpu" else []
+    if r["remat"]:
         return [T * D, T * F, T * H * keys, T * V, 1.0, *layer, *casts], T * (L - 1) * D * cb
     return [T * L * D, T * L * F, T * L * H * keys, T * V, 1.0, *layer, *casts], 0.0
 
