@@ -138,12 +138,16 @@ def measure(name: str, compile_it: Callable[[], Any], beside: int, note: str, ta
         return name, asked[0] if asked[0] == asked[0] else math.inf, asked[1], took
 
 
+Row = tuple[str, float | None, str, float]  # (program, MB per device, note, compile seconds)
+
+
 def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target, train_only: bool = False,
-                     keep: dict | None = None) -> list[tuple[str, float | None, str, float]]:
+                     keep: dict | None = None, train_row: Row | None = None) -> list[Row]:
     """(program, XLA's peak MB per device with what stays resident beside it, note, compile seconds) for each
-    device program of the run; train_only: the train step alone (the search's first filter). Two programs
-    compile at once (XLA compiles outside the GIL): the train step beside the eval step and the sampler.
-    `keep` gets each executable by program name, and "built" (measure)."""
+    device program of the run; train_only: the train step alone (the search's first filter); train_row: the
+    train step's row already compiled (the search's), the other programs only. Two programs compile at once (XLA
+    compiles outside the GIL): the train step beside the eval step and the sampler, or without it the eval step
+    beside the sampler. `keep` gets each executable by program name, and "built" (measure)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import jax
@@ -181,17 +185,19 @@ def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target
     # compiled as the trainer's pre-flight compiles it on a GPU (slm.train.evaluate.sampler_ahead): XLA's options
     sampler = lambda: decoder.compiled(params, 1, 1, new, SAMPLE_TOP_K, options={})  # noqa: E731
 
-    def others() -> list[tuple]:
+    def evaluate() -> list[tuple]:
         return [measure("eval step", lambda: make_eval_step(built.model).lower(params, *batch).compile(), beside,
-                        f"batch {c.batch_size} x {c.seq_len}", target, keep),
-                measure("sample prefill", lambda: sampler()[0], beside,
+                        f"batch {c.batch_size} x {c.seq_len}", target, keep)]
+
+    def sample() -> list[tuple]:
+        return [measure("sample prefill", lambda: sampler()[0], beside,
                         f"KV cache of {c.seq_len} positions", target, keep),
                 measure("sample decode step", lambda: sampler()[1], beside,
                         "one token, cache donated", target, keep)]
 
+    jobs = (train, lambda: evaluate() + sample()) if train_row is None else (lambda: [train_row] + evaluate(), sample)
     with ThreadPoolExecutor(2) as pool:
-        first, rest = pool.submit(train), pool.submit(others)
-        rows = first.result() + rest.result()
+        rows = [row for job in [pool.submit(j) for j in jobs] for row in job.result()]
     return rows + [("checkpoint save", resident / MB, "device-to-host copy of the resident state: no device program",
                     0.0)]
 
@@ -295,13 +301,16 @@ def search(c: Config, shape: ModelShape, devices: list, target: Target, usable: 
             break
         tried += 1
         rows = compile_programs(trial, shape, devices, target, train_only=True)
-        if all(r[1] is not None and r[1] <= limit for r in rows):
-            rows = compile_programs(trial, shape, devices, target)
+        if all(r[1] is not None and r[1] <= limit for r in rows):  # the train step fits: now the other programs
+            rows = compile_programs(trial, shape, devices, target, train_row=rows[0])
             if all(r[1] is not None and r[1] <= limit for r in rows):
                 return trial, rows
         else:
             ceiling = min(ceiling, plan)
-        log(f"[plan] candidate {i + 1} ({changes(c, trial) or 'as given'}) does not fit once compiled")
+        worst = max(rows, key=lambda r: math.inf if r[1] is None else r[1])
+        xla = "not compiled" if worst[1] is None else f"XLA {worst[1]:,.0f} MB"
+        log(f"[plan] candidate {i + 1} ({changes(c, trial) or 'as given'}) does not fit once compiled (the {worst[0]}: "
+            f"{xla}, over the {limit:,.0f} MB a verdict allows; the step planned {plan:,.0f})")
     return None
 
 

@@ -64,12 +64,20 @@ def test_the_gpu_program_is_the_gpus_own_not_the_cpus(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_target_too_small_refuses_naming_the_program_and_a_change_that_fits(tmp_path):
+def test_a_target_too_small_refuses_naming_the_program_and_a_change_that_fits(tmp_path, monkeypatch):
+    import slm.train.plan_for as plan_for
+
+    measured, lines, measure = [], [], plan_for.measure
+    monkeypatch.setattr(plan_for, "measure", lambda name, *a, **k: measured.append(name) or measure(name, *a, **k))
     # batch 256: at 128 the blocked attention brought the step to 15,087 MB, inside v5e's 16 GB (issue 42)
     c = Config(use_streaming=True, plan_for="v5e-1", target_params=2_000_000, vocab_size=2048, seq_len=1024,
                batch_size=256, output_dir=str(tmp_path))
     with pytest.raises(ConfigError) as e:
-        plan_main(c, log=lambda *_: None)
+        plan_main(c, log=lines.append)
+    # each program compiled once for the plan, and the search compiles each candidate's train step once: the
+    # one that fits is not compiled again beside its other programs
+    failed = sum("does not fit once compiled" in line for line in lines)
+    assert measured.count("train step") == 2 + failed and measured.count("eval step") == 2, (measured, lines)
     msg = str(e.value)
     assert "\n" not in msg and "train step" in msg and "this fits once compiled:" in msg, msg
     fix = msg.split("this fits once compiled: ")[1].split(" (or")[0].split()
