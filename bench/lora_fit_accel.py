@@ -19,7 +19,9 @@
     .venv/bin/python bench/lora_fit_accel.py fit M      # Muon on one chip: the same columns (not in the estimate yet)
     .venv/bin/python bench/lora_fit_accel.py collect --target v5e-1 --only False,False \
         --models smollm2-135m,qwen2.5-0.5b,mistral-7b-v0.1 --out T   # and --layers 30 (SmolLM2), 8 (Qwen2.5)
-    .venv/bin/python bench/lora_fit_accel.py fit T      # the flags' default on a TPU (~46 min of compiles on 2 cores)
+    .venv/bin/python bench/lora_fit_accel.py collect --target v5e-1 --only False,False --tokens 32x128,8x512 \
+        --dtypes float32,bfloat16 --models smollm2-135m,qwen2.5-0.5b --out U   # and SmolLM2 --layers 30 --tokens 8x512
+    .venv/bin/python bench/lora_fit_accel.py fit T U    # the flags' default on a TPU (~80 min of compiles on 2 cores)
 
 `collect`: the trainer's LoRA train step (r16 on q_proj,v_proj, AdamW; slm.train.builder) compiled for one
 compile-only device of the target (--plan-for's, slm.train.aot) at SmolLM2-135M's, Qwen2.5-0.5B's, TinyLlama's

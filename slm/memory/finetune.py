@@ -127,17 +127,21 @@ LORA_ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] =
 # arena of 91 MiB for 38 MiB of buffers, 59% fragmented; fitted at 2 and 4 layers only, it was planned 24-33% under).
 # A float32 base's tied embedding is cast whole for the head there (the casts' sixth term). Without remat in float32
 # compute (the flags' default), refitted the same way (2026-11-29: the same three models at 2 and 4 layers, SmolLM2 at
-# 30, Qwen2.5 at 8, float32/bf16/nf4 bases x 1 x 512 / 2 x 1,024; 48 compiles, worst 22.5% (nf4 bases), 39 within 10%,
-# float32 bases -10.0% .. +2.9%; XLA:CPU's terms were -53% .. +167%): libtpu copies no 16-bit base to float32, holds a
-# float32 base's tied embedding about half again (relaid out for the head), an nf4 base ~4 kernels dequantised.
+# 30, Qwen2.5 at 8, float32/bf16/nf4 bases x 1 x 512 / 2 x 1,024, and SmolLM2/Qwen2.5 at 2 and 4 layers, SmolLM2 at 30,
+# float32/bf16 bases x 32 x 128 / 8 x 512, the CLI's many short sequences; 66 compiles, worst 24.7% (nf4 bases),
+# float32 bases -9.2% .. +7.6%, bf16 ones at 4,096 tokens to -16%; XLA:CPU's terms were -53% .. +167%): libtpu copies
+# no 16-bit base to float32, holds a float32 base's tied embedding about half again (relaid out for the head; at many
+# tokens not always at the peak, which the sum cannot follow), an nf4 base ~4 kernels dequantised. Fitted at 512 and
+# 2,048 tokens only, the depth term (~7.8 KB) stood in for the tokens' and the CLI's default (SmolLM2-135M, 32 x 128)
+# was planned -15%; now +8.4%, the depth term 0.
 LORA_ACCEL_COEFFICIENTS["tpu"] = {(True, True): (0.57, 2.82, 0.611, 0.0, 0.0, 6.6 * 2**20, 4692.0),
-                                  (False, False): (35.65, 0.17, 3.441, 0.0, 0.0, 0.0, 7832.0)}
+                                  (False, False): (50.86, 1.54, 1.556, 0.0, 0.0, 0.0, 0.0)}
 LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
                             (False, True): (0.39, 0.0, 0.50, 0.87, 0.66, 0.0),
                             (True, False): (0.15, 0.0, 0.0, 0.0, 0.93, 0.0),
                             (True, True): (0.0, 0.17, 0.0, 0.67, 0.90, 0.0)},
                     "tpu": {(True, True): (0.0, 0.0, 0.0, 0.40, 3.04, 0.71),
-                            (False, False): (0.0, 0.0, 0.0, 0.0, 4.28, 0.48)}}
+                            (False, False): (0.0, 0.0, 0.0, 0.0, 4.11, 0.49)}}
 # libtpu's LoRA step with its base split over the chips (FSDP; remat under mixed precision), beyond each chip's
 # shard of the state and the activations: every block's base shard again (nf4: its codes, else 16-bit), one block
 # gathered, a tied embedding gathered (16-bit), an untied head, the casts of a shard (nf4's, a float32 base's), the
