@@ -185,11 +185,11 @@ def compile_programs(c: Config, shape: ModelShape, devices: list, target: Target
     # compiled as the trainer's pre-flight compiles it on a GPU (slm.train.evaluate.sampler_ahead): XLA's options
     sampler = lambda: decoder.compiled(params, 1, 1, new, SAMPLE_TOP_K, options={})  # noqa: E731
 
-    def evaluate() -> list[tuple]:
+    def evaluate() -> list[Row]:
         return [measure("eval step", lambda: make_eval_step(built.model).lower(params, *batch).compile(), beside,
                         f"batch {c.batch_size} x {c.seq_len}", target, keep)]
 
-    def sample() -> list[tuple]:
+    def sample() -> list[Row]:
         return [measure("sample prefill", lambda: sampler()[0], beside,
                         f"KV cache of {c.seq_len} positions", target, keep),
                 measure("sample decode step", lambda: sampler()[1], beside,
@@ -308,7 +308,8 @@ def search(c: Config, shape: ModelShape, devices: list, target: Target, usable: 
         else:
             ceiling = min(ceiling, plan)
         worst = max(rows, key=lambda r: math.inf if r[1] is None else r[1])
-        xla = "not compiled" if worst[1] is None else f"XLA {worst[1]:,.0f} MB"
+        xla = ("not compiled" if worst[1] is None else "more than the device has" if worst[1] == math.inf
+               else f"XLA {worst[1]:,.0f} MB")
         log(f"[plan] candidate {i + 1} ({changes(c, trial) or 'as given'}) does not fit once compiled (the {worst[0]}: "
             f"{xla}, over the {limit:,.0f} MB a verdict allows; the step planned {plan:,.0f})")
     return None
