@@ -49,6 +49,9 @@ SEARCH = 6  # --auto-fit / the suggestion: compile at most this many of the fast
 # docs/memory.md: LoRA -3.6% .. +4.8%, full fine-tunes to +10.8%; from scratch to +5.7%): a setting planned
 # further over the verdict's limit than this is not compiled.
 FITTED_ERROR = {"gpu": 0.05}
+# A failed setting's 8-bit twin is compiled unless the failed one was over by more than this many times the state
+# 8-bit moments save: XLA's peak fell by 0.93-2.05x the planned saving, or rose (A10G, v5e; docs/memory.md).
+TWIN_MARGIN = 3.0
 LEVERS = ("batch_size", "gradient_accumulation_steps", "use_8bit_optimizer", "use_mixed_precision",
           "gradient_checkpointing", "base_dtype", "loss_chunk")
 
@@ -288,14 +291,19 @@ def search(c: Config, shape: ModelShape, devices: list, target: Target, usable: 
     A setting the arithmetic puts at or above one that did not fit once compiled is passed over without a
     compile (the arithmetic orders settings well even where its level is off), and on a GPU, whose terms are
     fitted to XLA:GPU, so is one whose device figure is over the verdict's limit by more than the arithmetic's
-    error (FITTED_ERROR): at most SEARCH compiles."""
-    limit, ceiling, tried = limit_mb(target, usable), math.inf, 0
+    error (FITTED_ERROR), and so is a failed setting's 8-bit twin whose smaller state cannot bring it under the
+    limit (eight_bit_twin): at most SEARCH compiles."""
+    limit, ceiling, tried, failed = limit_mb(target, usable), math.inf, 0, []
     for i, f in enumerate(candidates(c, shape, target, usable, base_dtypes)):
         trial = dataclasses.replace(c, **{k: f[k] for k in LEVERS if k in f})
         est = planned(trial, shape, target)
         plan = est["device_total_mb"]
         if plan >= ceiling or (target.platform in FITTED_ERROR and
                                plan - est.get("runtime_mb", 0.0) > limit * (1 + FITTED_ERROR[target.platform])):
+            continue
+        twin = eight_bit_twin(trial, plan, failed)
+        if twin:
+            log(f"[plan] candidate {i + 1} ({changes(c, trial)}) not compiled: {twin}")
             continue
         if tried == SEARCH:
             break
@@ -308,10 +316,28 @@ def search(c: Config, shape: ModelShape, devices: list, target: Target, usable: 
         else:
             ceiling = min(ceiling, plan)
         worst = max(rows, key=lambda r: math.inf if r[1] is None else r[1])
+        if worst[1] is not None and math.isfinite(worst[1]):  # XLA's figure: how far over the limit it was
+            failed.append((i + 1, trial, plan, worst[1] - limit))
         xla = ("not compiled" if worst[1] is None else "more than the device has" if worst[1] == math.inf
                else f"XLA {worst[1]:,.0f} MB")
         log(f"[plan] candidate {i + 1} ({changes(c, trial) or 'as given'}) does not fit once compiled (the {worst[0]}: "
             f"{xla}, over the {limit:,.0f} MB a verdict allows; the step planned {plan:,.0f})")
+    return None
+
+
+def eight_bit_twin(trial: Config, plan: float, failed: list[tuple[int, Config, float, float]]) -> str | None:
+    """Why `trial` need not be compiled, or None: it is a failed candidate (number, config, planned MB, MB over
+    the limit once compiled) with only --use-8bit-optimizer added, and that one was over by more than TWIN_MARGIN
+    times the optimizer state the 8-bit moments are planned to save. XLA's peak falls by 0.93-2.05x that saving,
+    or rises (docs/memory.md), so the twin cannot fit; a wider rule (shift every later candidate by the failed
+    one's error) would skip settings that fit."""
+    if not trial.use_8bit_optimizer:
+        return None
+    for number, before, before_plan, over in failed:
+        saved = before_plan - plan
+        if dataclasses.replace(before, use_8bit_optimizer=True) == trial and 0 <= TWIN_MARGIN * saved < over:
+            return (f"it is candidate {number} with 8-bit optimizer state, which saves {saved:,.0f} MB as planned, "
+                    f"and candidate {number} was {over:,.0f} MB over once compiled")
     return None
 
 

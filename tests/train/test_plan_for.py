@@ -1,5 +1,6 @@
 """--plan-for: every device program of a run compiled ahead of time for a GPU or TPU this machine does not have."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -282,3 +283,21 @@ def test_a_full_fine_tune_whose_width_is_not_whole_tpu_lanes_is_planned_within_1
     alone the arithmetic was ~30% under its figure (2026-11-28: see docs/memory.md)."""
     est, xla = held_out_step("v5e-8", True, True, "full", model="qwen3-0.6b", d_model=960)
     assert est == pytest.approx(xla, rel=0.10)
+
+
+def test_the_search_skips_only_an_8bit_twin_of_a_setting_too_far_over_to_be_saved_by_its_state():
+    """--auto-fit's search compiles Mistral-7B's A10G step 70-150 s a candidate. A failed setting with 8-bit
+    optimizer state added lowers XLA's peak by about the state it saves (seed 002's LoRA: 81 and 73 MB for the
+    78 MB planned; up to 2.05x the saving elsewhere), so that twin is passed over only when the failed one was
+    over by more than three times that."""
+    from slm.train.plan_for import eight_bit_twin
+
+    seed = Config(use_streaming=True, lora_rank=16, batch_size=4, gradient_accumulation_steps=4,
+                  gradient_checkpointing=True)
+    twin = dataclasses.replace(seed, use_8bit_optimizer=True)
+    # candidate 3 of the seed's search: planned 15,551, XLA 16,215 against the 14,680 MB limit (1,535 over)
+    assert "candidate 3" in eight_bit_twin(twin, 15_473, [(3, seed, 15_551, 16_215 - 14_680)])
+    assert eight_bit_twin(twin, 15_473, [(3, seed, 15_551, 200)]) is None  # 2.05 x 78 MB = 160 MB: it could fit
+    other = dataclasses.replace(twin, batch_size=2, gradient_accumulation_steps=8)  # another lever changed too
+    assert eight_bit_twin(other, 15_069, [(3, seed, 15_551, 1_535)]) is None
+    assert eight_bit_twin(seed, 15_551, [(4, twin, 15_473, 1_454)]) is None  # dropping 8-bit adds memory
