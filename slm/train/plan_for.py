@@ -302,8 +302,9 @@ def search(c: Config, shape: ModelShape, devices: list, target: Target, usable: 
                                plan - est.get("runtime_mb", 0.0) > limit * (1 + FITTED_ERROR[target.platform])):
             continue
         twin = eight_bit_twin(trial, plan, failed)
-        if twin:
+        if twin:  # it cannot fit: nor can what the arithmetic puts at or above it
             log(f"[plan] candidate {i + 1} ({changes(c, trial)}) not compiled: {twin}")
+            ceiling = min(ceiling, plan)
             continue
         if tried == SEARCH:
             break
