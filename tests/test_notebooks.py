@@ -70,7 +70,7 @@ def assert_png(path) -> None:
     assert 5_000 < path.stat().st_size < 500_000, f"{path}: {path.stat().st_size} bytes"
 
 
-@pytest.mark.slow  # section 4: Mistral-7B's step for an A10G 3 times, then --auto-fit's search (25 min in CI)
+@pytest.mark.slow  # section 4: Mistral-7B's step for an A10G 3 times, then --auto-fit's search (19 min in CI)
 def test_plan_before_you_train(tmp_path):
     nb, text = execute("plan_before_you_train", tmp_path)
     # Seed 002: its first settings do not fit what jax gives programs on a 24 GB GPU (75%; the seed ran out of
