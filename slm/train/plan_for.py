@@ -332,8 +332,6 @@ def eight_bit_twin(trial: Config, plan: float, failed: list[tuple[int, Config, f
     times the optimizer state the 8-bit moments are planned to save. XLA's peak falls by 0.93-2.05x that saving,
     or rises (docs/memory.md), so the twin cannot fit; a wider rule (shift every later candidate by the failed
     one's error) would skip settings that fit."""
-    if not trial.use_8bit_optimizer:
-        return None
     for number, before, before_plan, over in failed:
         saved = before_plan - plan
         if dataclasses.replace(before, use_8bit_optimizer=True) == trial and 0 <= TWIN_MARGIN * saved < over:
