@@ -90,6 +90,7 @@ from slm.model.sizing import (
     count_params,
     default_vocab_size,
     hidden_matrix_shapes,
+    largest_matrix,
     muon_stacks,
     optimizer_state_bytes,
 )
@@ -147,17 +148,16 @@ ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] = {
     "tpu": {(False, True): (0.0, 6.26, 1.83, 2.63, 0.0, 0.0), (False, False): (0.0, 12.72, 3.24, 2.34, 0.0, 0.0)},
 }
 
-# Update-phase temporaries in units of 4N, and in units of 4H for Muon's hidden matrices; keyed by 8-bit
-# state (module docstring).
+# Update-phase temporaries in units of 4N (4H for Muon's hidden matrices), keyed by 8-bit state (module docstring).
 UPDATE_TEMPS = {False: 1.0, True: 2.3}
 MUON_UPDATE_TEMPS = {False: 2.8, True: 1.85}
 # XLA:GPU fuses Newton-Schulz's elementwise steps: 1.92 matrix-sized temporaries (float32 momentum), read from the
 # H100 step of a 350M model at seq 512, where the update is the peak (bench/plan_for_xla.py sweep); 8-bit: CPU's.
 GPU_MUON_UPDATE_TEMPS = {False: 1.92, True: MUON_UPDATE_TEMPS[True]}
-# XLA:GPU fuses AdamW's float32 update into one pass over each parameter: no parameter-sized temporaries (full
-# fine-tunes of 5 configs compiled for an H100, bench/plan_for_xla.py sweep --rows full, 2026-11-27: XLA's peak
-# 0.96-0.99x the 16 bytes a parameter of params, gradients and moments); 8-bit: CPU's (not measured).
-GPU_ADAMW_UPDATE_TEMPS = {False: 0.0, True: UPDATE_TEMPS[True]}
+# XLA:GPU: AdamW's float32 update in one fused pass, no temporaries (5 full fine-tunes for an H100, 2026-11-27:
+# 0.96-0.99x params, gradients and moments); 8-bit moments (the skip by `where`, slm.train.builder) one leaf at a
+# time, the largest last with the other gradients spent: its gradient + 11.5 B an element (2026-11-30, docs/memory.md)
+GPU_ADAMW_UPDATE_TEMPS, GPU_ADAM8_LARGEST_LEAF = 0.0, 4 + 11.5
 # libtpu's holds more (a full fine-tune under remat and mixed precision, float32 moments): finetune.TPU_FULL_UPDATE.
 # libtpu, data parallel: the Newton-Schulz work is shared out (slm.optim.muon.shared_newton_schulz), but each chip
 # holds the stacks it was handed and the all-gather's result whole (one of them padded to a multiple of the chips),
@@ -270,9 +270,11 @@ def update_bytes(shape: ModelShape, trained: int, use_8bit: bool, optimizer: str
     """The optimizer update's temporaries (module docstring): AdamW's on every trained parameter, plus Muon's
     Newton-Schulz buffers on the hidden matrices, whose work `shared` data-parallel devices split between them
     (slm.optim.muon: 50M params on 2 devices, XLA 1,221 MB/device, this 1,220; on one 1,464 and 1,469)."""
+    if platform == "gpu" and optimizer == "adamw" and use_8bit:  # the largest leaf's, less the other gradients
+        return max(0, int(GPU_ADAM8_LARGEST_LEAF * min(trained, largest_matrix(shape)) - 4 * trained))
     hidden = sum(a * b for a, b in hidden_matrix_shapes(shape)) if optimizer == "muon" else 0
     muon = (GPU_MUON_UPDATE_TEMPS if platform == "gpu" else MUON_UPDATE_TEMPS)[use_8bit]
-    temps = GPU_ADAMW_UPDATE_TEMPS[use_8bit] if platform == "gpu" and optimizer == "adamw" else UPDATE_TEMPS[use_8bit]
+    temps = GPU_ADAMW_UPDATE_TEMPS if platform == "gpu" and optimizer == "adamw" else UPDATE_TEMPS[use_8bit]
     if platform == "tpu" and hidden and shared > 1 and not use_8bit:  # libtpu's: whole on every chip, one padded
         padded = sum(r * c * -(-n // shared) * shared for (r, c), n in muon_stacks(shape).items())
         return int(4 * (temps * trained + (TPU_DP_MUON_UPDATE - 1) * hidden + padded))

@@ -268,6 +268,11 @@ def hidden_matrix_shapes(shape: ModelShape) -> list[tuple[int, int]]:
     return [(D, qkv), (q, D), (D, 2 * F), (F, D)] * shape.n_layers
 
 
+def largest_matrix(shape: ModelShape) -> int:
+    """Elements of the model's largest weight: the embedding (or head), or a fused qkv / gate-up kernel."""
+    return max(shape.vocab_size * shape.d_model, *(a * b for a, b in hidden_matrix_shapes(shape)[:4]))
+
+
 def muon_stacks(shape: ModelShape) -> dict[tuple[int, int], int]:
     """How many matrices of each (rows, columns) Muon orthogonalises as one stack (slm.optim.muon: fused
     kernels split into their matrices where they are alike, qkv (D, 3D) into three, gate_up into two)."""

@@ -248,11 +248,12 @@ def test_nonfinite_zero_treats_bad_elements_as_zero():
         scale_by_adam_8bit(nonfinite="raise")
 
 
+@pytest.mark.parametrize("skip_by", ["cond", "where"])
 @pytest.mark.parametrize("use_8bit", [False, True])
-def test_trainer_optimizer_skips_a_nonfinite_step_whole(use_8bit):
-    """make_optimizer (fp32 or 8-bit): a NaN gradient changes no state and yields a zero update."""
+def test_trainer_optimizer_skips_a_nonfinite_step_whole(use_8bit, skip_by):
+    """make_optimizer (fp32 or 8-bit, either skip): a NaN gradient changes no state and yields a zero update."""
     params = {"w": jnp.ones((64, 128)), "b": jnp.ones((128,))}
-    tx = make_optimizer(use_8bit=use_8bit)
+    tx = make_optimizer(use_8bit=use_8bit, skip_by=skip_by)
     s = tx.init(params)
     g = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
     _, s = tx.update(g, s, params)
@@ -261,6 +262,22 @@ def test_trainer_optimizer_skips_a_nonfinite_step_whole(use_8bit):
     assert int(s2.total_notfinite) == 1
     for a, b in zip(jax.tree.leaves(s2.inner_state), jax.tree.leaves(s.inner_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("use_8bit", [False, True])
+def test_the_where_skip_is_optax_apply_if_finite_bit_for_bit(use_8bit):
+    """skip_by="where" (the GPU's) against optax.apply_if_finite itself: the same updates and state, bit for bit,
+    over steps with a NaN and an Inf gradient between finite ones."""
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (64, 128)), "b": jnp.ones((128,))}
+    ours, ref = make_optimizer(use_8bit=use_8bit, skip_by="where"), make_optimizer(use_8bit=use_8bit)
+    a, b = ours.init(params), ref.init(params)
+    for i, bad in enumerate([None, jnp.nan, None, jnp.inf, jnp.nan, None]):
+        g = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(i + 1), p.shape), params)
+        g = g if bad is None else {**g, "w": g["w"].at[3, 5].set(bad)}
+        (u1, a), (u2, b) = jax.jit(ours.update)(g, a, params), jax.jit(ref.update)(g, b, params)
+        for x, y in zip(jax.tree.leaves((u1, a)), jax.tree.leaves((u2, b))):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert int(a.total_notfinite) == 3 and int(a.notfinite_count) == 0 and bool(a.last_finite)
 
 
 def test_adamw_8bit_matches_optax_adamw_closely():
