@@ -28,6 +28,8 @@ TRAIN_TAGS = {"loss": "train/loss", "lr": "train/lr", "tokens": "train/tokens", 
 EVAL_TAGS = {"eval_loss": "eval/loss", "eval_bpb": "eval/bpb", "eval_ppl": "eval/ppl", "eval_tokens": "eval/tokens"}
 SKIP_KEYS = frozenset({"step"})  # the x-axis
 WANDB_MISSING = "--wandb: the wandb package is not installed; pip install wandb"
+TENSORBOARD_MISSING = ("the tensorboardX package is not installed (every run writes TensorBoard event files); "
+                       "pip install -r requirements.txt, or pip install tensorboardX")
 
 
 def is_eval_row(row: dict) -> bool:
@@ -94,6 +96,15 @@ class Trackers:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+
+
+def require_tensorboard() -> None:
+    """TrackingError unless tensorboardX imports: every run writes event files with it, so a broken install is
+    refused before the data and the compile (a lent GPU image without it died at step 1, after pre-flight)."""
+    try:
+        _summary_writer_class()
+    except ImportError:
+        raise TrackingError(TENSORBOARD_MISSING) from None
 
 
 def require_wandb():

@@ -31,7 +31,7 @@ from slm.data.tokenizer import (
 )
 from slm.errors import ConfigError, DatasetError
 from slm.io.atomic import write_atomically, write_json
-from slm.io.tracking import require_wandb
+from slm.io.tracking import require_tensorboard, require_wandb
 from slm.memory.estimate import estimate_memory_usage, parse_size
 from slm.memory.fit import fit_candidates, smallest_setting
 from slm.memory.finetune import Finetune
@@ -69,6 +69,7 @@ Log = Callable[[str], None]
 def settle_config(c: Config, explicit: set[str] | None, log: Log) -> tuple[Config, Processes]:
     """Validate, take a resumed run's settings, start the processes and apply --preset."""
     validate(c)
+    require_tensorboard()
     if c.wandb:
         require_wandb()
     if c.resume:

@@ -81,6 +81,22 @@ def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
         tracking.require_wandb()
 
 
+def test_a_missing_tensorboardx_is_refused_in_one_line_before_anything_is_made(tmp_path):
+    """The trainer without tensorboardX (a pinned requirement; a lent GPU's image lacked it): exit 2, one line
+    naming the package and the pip command, no traceback, no run folder."""
+    text = tmp_path / "t.txt"
+    text.write_text("some words of text\n" * 200)
+    code = ("import sys, runpy; sys.modules['tensorboardX'] = None; sys.argv = sys.argv[1:]; "
+            "runpy.run_path('train_optimized.py', run_name='__main__')")
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", code, "train_optimized.py", "--use-streaming", "--dataset-id",
+                           str(text), "--max-steps", "1", "--output-dir", str(run)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {tracking.TENSORBOARD_MISSING}"
+    assert "Traceback" not in proc.stderr and not run.exists()
+
+
 def test_wandb_gets_rows_when_asked(tmp_path, monkeypatch):
     calls = []
 
