@@ -9,6 +9,7 @@
     .venv/bin/python bench/plan_for_xla.py device-plan --out bench/out/plan.json    # --plan-for h100-80gb, here
     python3 bench/plan_for_xla.py device --out $OUT/device.json          # on a lent GPU: compiled there, and run
     python3 bench/plan_for_xla.py device --trainer-order --out $OUT/order.json --rows Gemma   # compiles as the trainer
+    python3 bench/plan_for_xla.py device --train-only --rows AdamW --out $OUT/eight.json  # the 8-bit pairs' steps
     .venv/bin/python bench/plan_for_xla.py device-compare bench/out/plan.json bench/out/device.json [more.json]
 
 `sweep`: each row is the trainer's train step for the target (slm.train.plan_for.compile_programs, the program
@@ -293,6 +294,14 @@ DEVICE_ROWS = {  # name: Config keywords (bf16 compute, the default optimizer, a
     "Llama-3.2-1B full fine-tune": dict(init_from="llama-3.2-1b", **DEVICE_FT),
     "Mistral-7B QLoRA seed 002 (1 x 256, remat)": dict(init_from="mistral-7b-v0.1", lora_rank=16, base_dtype="nf4",
                                                         seq_len=256, batch_size=1, gradient_checkpointing=True),
+    # pairs with and without 8-bit Adam state: the allocator's drop against the planned saving (--auto-fit's twin rule)
+    **{f"{name}{', 8-bit' if eight else ''}": {**kw, "use_8bit_optimizer": eight} for name, kw in (
+        ("20M scratch AdamW seq 512 x 8, remat", dict(target_params=20_000_000, seq_len=512, batch_size=8,
+                                                     gradient_checkpointing=True, optimizer="adamw")),
+        ("100M scratch AdamW seq 2048 x 8", dict(target_params=100_000_000, seq_len=2048, batch_size=8,
+                                                 optimizer="adamw")),
+        ("Qwen3-0.6B full fine-tune AdamW", dict(init_from="qwen3-0.6b", optimizer="adamw", **DEVICE_FT)))
+       for eight in (False, True)},
 }
 DEVICE_TARGET = "h100-80gb"
 
@@ -328,7 +337,7 @@ def device_plan(a: argparse.Namespace) -> None:
     for name in device_chosen(a.rows):
         c, shape = device_config(name, a.models)
         with compile_only():
-            out[name] = {r[0]: r[1] for r in compile_programs(c, shape, devices, target)}
+            out[name] = {r[0]: r[1] for r in compile_programs(c, shape, devices, target, train_only=a.train_only)}
         print(name, {k: round(v, 1) for k, v in out[name].items() if v is not None}, flush=True)
     with open(a.out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "target": DEVICE_TARGET, "rows": out}, f, indent=1)
@@ -373,8 +382,9 @@ def this_machine():
     return device, dataclasses.replace(target, platform="cpu") if device.platform == "cpu" else target
 
 
-def device_row(name: str, models: str) -> dict:
-    """Compile the row's programs for this machine's GPU, run them on zeros, read the allocator's peak."""
+def device_row(name: str, models: str, train_only: bool = False) -> dict:
+    """Compile the row's programs for this machine's GPU, run them on zeros, read the allocator's peak (the train
+    step's alone with `train_only`)."""
     import jax
     import numpy as np
 
@@ -385,7 +395,7 @@ def device_row(name: str, models: str) -> dict:
     c, shape = device_config(name, models)
     device, target = this_machine()
     keep: dict = {}
-    compiled = {r[0]: r[1] for r in compile_programs(c, shape, [device], target, keep=keep)}
+    compiled = {r[0]: r[1] for r in compile_programs(c, shape, [device], target, train_only=train_only, keep=keep)}
     built, peaks = keep["built"], {}
     step = keep["train step"]
     batch = {k: jax.ShapeDtypeStruct((c.batch_size, c.seq_len), np.int32, sharding=built.batch_sharding)
@@ -405,7 +415,7 @@ def device_row(name: str, models: str) -> dict:
         peaks["train step" if i else "train step, first call"] = in_use(device)
     state = args[0]
     params = state.params if built.base_abstract is None else merge(args[-1], state.params)
-    for prog in ("eval step", "sample prefill", "sample decode step"):
+    for prog in () if train_only else ("eval step", "sample prefill", "sample decode step"):
         out = keep[prog](*zeros_for(keep[prog], params))
         jax.block_until_ready(out)
         del out
@@ -494,7 +504,7 @@ def device(a: argparse.Namespace) -> None:
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "rows": {}}
     for name in device_chosen(a.rows):
         t0 = time.time()
-        order = ["--trainer-order"] if a.trainer_order else []
+        order = ["--trainer-order"] * a.trainer_order + ["--train-only"] * a.train_only
         p = subprocess.run([sys.executable, __file__, "device-row", name, "--models", a.models, *order],
                            capture_output=True, text=True, timeout=a.row_timeout)
         last = p.stdout.strip().splitlines()[-1:] if p.returncode == 0 else []
@@ -600,10 +610,12 @@ def main() -> None:
         d.add_argument("--row-timeout", type=int, default=150)
         d.add_argument("--rows", default="", help="only the rows whose name holds one of these (comma-separated)")
         d.add_argument("--trainer-order", action="store_true", help="(device) the compiles in the trainer's order")
+        d.add_argument("--train-only", action="store_true", help="the train step alone (the 8-bit pairs)")
     r = sub.add_parser("device-row")
     r.add_argument("name")
     r.add_argument("--models", default=MODELS)
     r.add_argument("--trainer-order", action="store_true")
+    r.add_argument("--train-only", action="store_true")
     c = sub.add_parser("device-compare")
     c.add_argument("plan")
     c.add_argument("device", nargs="+")
@@ -612,7 +624,8 @@ def main() -> None:
         from slm.train.devices import start_backend
 
         start_backend()
-        print(json.dumps((trainer_order_row if a.trainer_order else device_row)(a.name, a.models)))
+        row = trainer_order_row(a.name, a.models) if a.trainer_order else device_row(a.name, a.models, a.train_only)
+        print(json.dumps(row))
         return
     {"sweep": sweep, "sampler": sampler, "fit": fit, "device-plan": device_plan, "device": device,
      "device-compare": device_compare, "muon-dp": muon_dp}[a.what](a)
