@@ -56,6 +56,8 @@ def make_optimizer(
                                shard_over=muon_mesh)]
     elif optimizer != "adamw":
         raise ValueError(f"optimizer {optimizer!r}: choose adamw or muon")
+    if skip_by not in ("cond", "where"):
+        raise ValueError(f"skip_by {skip_by!r}: choose cond or where")
     clip = [optax.clip_by_global_norm(grad_clip)] if grad_clip and grad_clip > 0 else []
     # one flat chain for AdamW: its state's structure is what every checkpoint so far holds
     inner = optax.chain(*clip, *adam)
@@ -77,7 +79,7 @@ def apply_if_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
         finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(updates)]))
         new_updates, new_inner = inner.update(updates, state.inner_state, params)
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        return jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates), optax.ApplyIfFiniteState(
+        return jax.tree.map(keep, new_updates, optax.tree.zeros_like(updates)), optax.ApplyIfFiniteState(
             notfinite_count=jnp.where(finite, 0, optax.safe_increment(state.notfinite_count)), last_finite=finite,
             total_notfinite=jnp.where(finite, state.total_notfinite, optax.safe_increment(state.total_notfinite)),
             inner_state=jax.tree.map(keep, new_inner, state.inner_state))

@@ -278,6 +278,8 @@ def test_the_where_skip_is_optax_apply_if_finite_bit_for_bit(use_8bit):
         for x, y in zip(jax.tree.leaves((u1, a)), jax.tree.leaves((u2, b))):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert int(a.total_notfinite) == 3 and int(a.notfinite_count) == 0 and bool(a.last_finite)
+    with pytest.raises(ValueError, match="skip_by"):
+        make_optimizer(skip_by="if")
 
 
 def test_adamw_8bit_matches_optax_adamw_closely():
