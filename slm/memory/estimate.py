@@ -154,9 +154,8 @@ MUON_UPDATE_TEMPS = {False: 2.8, True: 1.85}
 # XLA:GPU fuses Newton-Schulz's elementwise steps: 1.92 matrix-sized temporaries (float32 momentum), read from the
 # H100 step of a 350M model at seq 512, where the update is the peak (bench/plan_for_xla.py sweep); 8-bit: CPU's.
 GPU_MUON_UPDATE_TEMPS = {False: 1.92, True: MUON_UPDATE_TEMPS[True]}
-# XLA:GPU: AdamW's float32 update in one fused pass, no temporaries (5 full fine-tunes for an H100, 2026-11-27:
-# 0.96-0.99x params, gradients and moments); 8-bit moments (the skip by `where`, slm.train.builder) one leaf at a
-# time, the largest last with the other gradients spent: its gradient + 11.5 B an element (2026-11-30, docs/memory.md)
+# XLA:GPU: AdamW's float32 update in one fused pass, no temporaries (5 H100 full fine-tunes, 2026-11-27: 0.96-0.99x);
+# 8-bit (skip by `where`) leaf by leaf, the largest last: its gradient (none accumulating) + 11.5 B an element
 GPU_ADAMW_UPDATE_TEMPS, GPU_ADAM8_LARGEST_LEAF = 0.0, 4 + 11.5
 # libtpu's holds more (a full fine-tune under remat and mixed precision, float32 moments): finetune.TPU_FULL_UPDATE.
 # libtpu, data parallel: the Newton-Schulz work is shared out (slm.optim.muon.shared_newton_schulz), but each chip
@@ -242,7 +241,7 @@ def device_breakdown(
         }
     out["update"] = (tpu_full_update_bytes(shape) if tpu_full and not tpu_fsdp  # libtpu's, on whole weights
                      else update_bytes(shape, n, bool(use_8bit_optimizer), "adamw" if lora else optimizer,
-                                       1 if fsdp else devices, platform))
+                                       1 if fsdp else devices, platform, accumulating))
     if platform == "gpu":  # the CUDA context; libtpu's reserve lies outside the HBM it offers a program
         out["runtime"] = int(GPU_RUNTIME_MB * MB)
     if fsdp and devices > 1:
@@ -266,12 +265,13 @@ def device_breakdown(
 
 
 def update_bytes(shape: ModelShape, trained: int, use_8bit: bool, optimizer: str = "adamw", shared: int = 1,
-                 platform: str = "cpu") -> int:
+                 platform: str = "cpu", accumulating: bool = False) -> int:
     """The optimizer update's temporaries (module docstring): AdamW's on every trained parameter, plus Muon's
     Newton-Schulz buffers on the hidden matrices, whose work `shared` data-parallel devices split between them
     (slm.optim.muon: 50M params on 2 devices, XLA 1,221 MB/device, this 1,220; on one 1,464 and 1,469)."""
     if platform == "gpu" and optimizer == "adamw" and use_8bit:  # the largest leaf's, less the other gradients
-        return max(0, int(GPU_ADAM8_LARGEST_LEAF * min(trained, largest_matrix(shape)) - 4 * trained))
+        leaf = GPU_ADAM8_LARGEST_LEAF - 4 * accumulating  # the gradients went into the accumulator (counted)
+        return max(0, int(leaf * min(trained, largest_matrix(shape)) - 4 * trained))
     hidden = sum(a * b for a, b in hidden_matrix_shapes(shape)) if optimizer == "muon" else 0
     muon = (GPU_MUON_UPDATE_TEMPS if platform == "gpu" else MUON_UPDATE_TEMPS)[use_8bit]
     temps = GPU_ADAMW_UPDATE_TEMPS if platform == "gpu" and optimizer == "adamw" else UPDATE_TEMPS[use_8bit]

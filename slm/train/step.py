@@ -15,6 +15,7 @@ import optax
 
 from slm.model.lora import merge
 from slm.model.transformer import Transformer, mean_nll, token_nll
+from slm.optim.optimizer import LazyMultiSteps
 
 PyTree = Any
 
@@ -53,8 +54,15 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, state_
     def step(state: TrainState, batch: dict, lr: jax.Array, base: PyTree = None) -> tuple[TrainState, dict]:
         rng = jax.random.fold_in(jax.random.PRNGKey(seed), state.micro_step) if dropout else None
         loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, base, rng)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), state.params, updates)
+
+        def apply(params: PyTree, updates: PyTree) -> PyTree:
+            return jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), params, updates)
+
+        if isinstance(tx, LazyMultiSteps):  # accumulating: the update applied where the parameters lie
+            params, opt_state = tx.step_params(grads, state.opt_state, state.params, apply)
+        else:
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = apply(state.params, updates)
         new_state = TrainState(micro_step=state.micro_step + 1, params=params, opt_state=opt_state)
         grad_norm = optax.tree.norm(grads)
         return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
