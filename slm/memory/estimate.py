@@ -26,8 +26,8 @@ the micro-batch is small next to the model (50M params at micro-batch 1). Its te
 parameter-sized float32 temporary (u = 1), the 8-bit update dequantizes m and v (u = 2.3); Muon's
 Newton-Schulz iterations hold m = 2.8 matrix-sized float32 temporaries per hidden matrix (1.85 with its
 bfloat16 momentum). Read from XLA's memory analysis of the trainer's step at 1M/5M/20M params (micro-batch
-1, seq 16: within 0.07 of 4N at each). Accumulation adds nothing: the optimizer runs inside a cond on the
-micro-step that emits (slm.optim.optimizer.LazyMultiSteps).
+1, seq 16: within 0.07 of 4N at each). Accumulation adds nothing: the optimizer runs in a loop of one trip on
+the micro-step that emits, in place (slm.optim.optimizer.LazyMultiSteps.step_params).
 
 With FSDP over n devices (`fsdp=True`) params, optimizer state, accumulation and the update are divided
 by n, and `gathered` (4N) is added: XLA:CPU all-gathers the full weights for the step, and the gradients
