@@ -106,10 +106,7 @@ class LazyMultiSteps(optax.MultiSteps):
 
     def update(self, updates: Any, state: optax.MultiStepsState, params: Any = None, **extra_args: Any
                ) -> tuple[Any, optax.MultiStepsState]:
-        k_steps = self._every_k_schedule(state.gradient_step)
-        acc_grads = jax.tree.map(lambda u, acc: self._acc_update(u, acc, n_acc=state.mini_step), updates,
-                                 state.acc_grads)
-        emit = state.mini_step == (k_steps - 1)
+        k_steps, acc_grads, emit = self._accumulate(updates, state)
 
         def apply(acc: Any, inner: Any, params: Any) -> tuple[Any, Any]:
             return self._opt.update(optax.tree.cast_like(acc, updates), inner, params=params, **extra_args)
@@ -119,13 +116,24 @@ class LazyMultiSteps(optax.MultiSteps):
             return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner
 
         final_updates, inner = jax.lax.cond(emit, apply, hold, acc_grads, state.inner_opt_state, params)
-        new_state = optax.MultiStepsState(
+        acc_grads = jax.tree.map(lambda ga: jnp.astype((1 - emit) * ga, self._accumulator_dtype), acc_grads)
+        return final_updates, self._advance(state, k_steps, emit, inner, acc_grads)
+
+    def _accumulate(self, grads: Any, state: optax.MultiStepsState) -> tuple[Any, Any, jax.Array]:
+        """(this step's k, the running mean of the micro-batches' gradients with `grads` in it, whether it emits)."""
+        k_steps = self._every_k_schedule(state.gradient_step)
+        acc_grads = jax.tree.map(lambda g, acc: self._acc_update(g, acc, n_acc=state.mini_step), grads,
+                                 state.acc_grads)
+        return k_steps, acc_grads, state.mini_step == (k_steps - 1)
+
+    @staticmethod
+    def _advance(state: optax.MultiStepsState, k_steps: Any, emit: jax.Array, inner: Any, acc_grads: Any
+                 ) -> optax.MultiStepsState:
+        """The state after a micro-step: the counters moved on, the new inner state and accumulator."""
+        return optax.MultiStepsState(
             mini_step=optax.safe_increment(state.mini_step) % k_steps,
             gradient_step=emit * optax.safe_increment(state.gradient_step) + (1 - emit) * state.gradient_step,
-            inner_opt_state=inner,
-            acc_grads=jax.tree.map(lambda ga: jnp.astype((1 - emit) * ga, self._accumulator_dtype), acc_grads),
-            skip_state=state.skip_state)
-        return final_updates, new_state
+            inner_opt_state=inner, acc_grads=acc_grads, skip_state=state.skip_state)
 
     def step_params(self, grads: Any, state: optax.MultiStepsState, params: Any,
                     apply: Callable[[Any, Any], Any]) -> tuple[Any, optax.MultiStepsState]:
@@ -134,20 +142,14 @@ class LazyMultiSteps(optax.MultiSteps):
         from start to end, so the parameters, the inner state and the accumulator are updated where they lie;
         a cond's results would be buffers of their own. The accumulator rides in the carry and is zeroed by
         the trip, so the running mean is written into its own buffer too."""
-        k_steps = self._every_k_schedule(state.gradient_step)
-        acc_grads = jax.tree.map(lambda u, acc: jnp.astype(self._acc_update(u, acc, n_acc=state.mini_step),
-                                                            self._accumulator_dtype), grads, state.acc_grads)
-        emit = state.mini_step == (k_steps - 1)
+        k_steps, acc_grads, emit = self._accumulate(grads, state)
+        acc_grads = jax.tree.map(lambda a: jnp.astype(a, self._accumulator_dtype), acc_grads)  # the carry's dtype
 
         def trip(_: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
             params, inner, acc = carry
             updates, inner = self._opt.update(optax.tree.cast_like(acc, grads), inner, params=params)
-            zeros = jax.tree.map(lambda a: jnp.zeros_like(a, self._accumulator_dtype), acc)
-            return apply(params, updates), inner, zeros
+            return apply(params, updates), inner, jax.tree.map(jnp.zeros_like, acc)
 
         params, inner, acc_grads = jax.lax.fori_loop(0, emit.astype(jnp.int32), trip,
                                                      (params, state.inner_opt_state, acc_grads))
-        return params, optax.MultiStepsState(
-            mini_step=optax.safe_increment(state.mini_step) % k_steps,
-            gradient_step=emit * optax.safe_increment(state.gradient_step) + (1 - emit) * state.gradient_step,
-            inner_opt_state=inner, acc_grads=acc_grads, skip_state=state.skip_state)
+        return params, self._advance(state, k_steps, emit, inner, acc_grads)
