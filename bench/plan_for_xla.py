@@ -4,6 +4,7 @@
     .venv/bin/python bench/plan_for_xla.py sweep --target v5e-8 --reuse sweep.md   # re-estimate its rows, no compile
     .venv/bin/python bench/plan_for_xla.py sweep --target v5e-8 --rows full --fsdp  # full fine-tunes over the 8 chips
     .venv/bin/python bench/plan_for_xla.py muon-dp --target v5e-8   # Muon's update over a TPU slice's chips
+    .venv/bin/python bench/plan_for_xla.py eight-bit --target v5e-1  # 8-bit state's step against float32's
     .venv/bin/python bench/plan_for_xla.py sampler        # seed 002's QLoRA sampler on an A10G: before / after
     .venv/bin/python bench/plan_for_xla.py seed002        # seed 002's settings on an A10G 24 GB, and a 1B on v5e-8
     .venv/bin/python bench/plan_for_xla.py device-plan --out bench/out/plan.json    # --plan-for h100-80gb, here
@@ -585,6 +586,24 @@ def muon_dp(a: argparse.Namespace) -> None:
               f"{planned / peaks[1]:.3f} | {'≤' if peaks[1] < 1.02 * peaks[0] else ''}{copies:.2f} |", flush=True)
 
 
+def eight_bit(a: argparse.Namespace) -> None:
+    """Qwen3-0.6B's full fine-tune (4 x 512 a micro-step, remat, bf16 compute, AdamW) compiled for the target with
+    float32 and 8-bit moments, 1 and 2 micro-steps (--plan-for's train step alone): XLA's peak, the ratio 8-bit /
+    float32 and the plan's figure."""
+    from slm.train.plan_for import plan_for
+
+    init = os.path.join(MODELS, a.model)
+    print(f"{a.target}, {a.model}, {time.strftime('%Y-%m-%d')}, {host()}\n| micro-steps | float32 MB | 8-bit MB | "
+          f"8-bit / float32 | 8-bit planned / XLA |\n|---|---|---|---|---|")
+    for acc in (1, 2):
+        rows = [plan_for(a.target, log=lambda *_: None, train_only=True, init_from=init, batch_size=4 * acc,
+                         seq_len=512, gradient_accumulation_steps=acc, use_8bit_optimizer=bits, optimizer="adamw",
+                         use_mixed_precision=True, gradient_checkpointing=True)["programs"][0]
+                for bits in (False, True)]
+        f32, b8 = (r["xla_peak_mb"] for r in rows)
+        print(f"| {acc} | {f32:,.0f} | {b8:,.0f} | {b8 / f32:.3f} | {rows[1]['planned_mb'] / b8:.3f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -599,6 +618,9 @@ def main() -> None:
         os.path.join(MODELS, m)))) if os.path.isdir(MODELS) else "")
     sub.add_parser("sampler")
     sub.add_parser("muon-dp").add_argument("--target", default="v5e-8")
+    e = sub.add_parser("eight-bit")
+    e.add_argument("--target", default="v5e-1")
+    e.add_argument("--model", default="qwen3-0.6b")
     f = sub.add_parser("fit")
     f.add_argument("--target", default="h100-80gb")
     f.add_argument("--verbose", action="store_true")
@@ -628,7 +650,8 @@ def main() -> None:
         print(json.dumps(row))
         return
     {"sweep": sweep, "sampler": sampler, "fit": fit, "device-plan": device_plan, "device": device,
-     "device-compare": device_compare, "muon-dp": muon_dp}[a.what](a)
+     "device-compare": device_compare, "muon-dp": muon_dp,
+     "eight-bit": eight_bit}[a.what](a)
 
 
 if __name__ == "__main__":

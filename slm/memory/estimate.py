@@ -207,9 +207,9 @@ def device_breakdown(
     remat, mixed, ideal = bool(gradient_checkpointing), bool(mixed_precision), gradient_checkpointing and platform != "cpu"
     accumulating = gradient_accumulation_steps > 1
     lora = finetune is not None and finetune.lora_rank is not None
-    # libtpu's own fits of a full fine-tune are AdamW's with float32 moments under remat and mixed precision: with
-    # 8-bit state or Muon libtpu holds up to 2x more (not fitted), so those keep XLA:CPU's terms, which over the
-    # chips plan them 22-66% over (docs/memory.md)
+    # libtpu's own fits of a full fine-tune are AdamW's with float32 moments under remat and mixed precision: 8-bit
+    # state and Muon keep XLA:CPU's terms (not fitted), over libtpu's figure: Muon 22-66%, 8-bit (updated in chunks,
+    # adam8bit.CHUNK_BLOCKS) Qwen3-0.6B +46% (docs/memory.md)
     tpu_full = platform == "tpu" and remat and mixed and not lora and optimizer == "adamw" and not use_8bit_optimizer
     tpu_fsdp = platform == "tpu" and remat and mixed and fsdp and devices > 1 and (lora or tpu_full)
     if lora:

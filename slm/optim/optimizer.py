@@ -30,6 +30,7 @@ def make_optimizer(
     muon_lr_ratio: float = 1.0,
     muon_mesh: Any = None,
     skip_by: str = "cond",
+    chunk_blocks: int | None = None,
 ) -> optax.GradientTransformation:
     """clip -> Adam direction -> decoupled weight decay (matrices only), skipped whole on a non-finite gradient.
 
@@ -46,9 +47,11 @@ def make_optimizer(
     equal one batch k times as large; at 1 it is left out, saving its parameter-sized float32 buffer.
     `skip_by`: how the skip is made, "cond" (optax.apply_if_finite) or "where" (`apply_if_finite` below: the
     same state and arithmetic, less memory where XLA cannot fuse across a conditional; the trainer's choice per
-    platform is slm.train.builder's).
+    platform is slm.train.builder's). `chunk_blocks`: 8-bit moments updated that many blocks of a leaf at a
+    time (slm.optim.adam8bit.in_chunks; None: whole leaves).
     """
-    adam = [scale_by_adam_8bit(b1=b1, b2=b2, eps=eps) if use_8bit else optax.scale_by_adam(b1=b1, b2=b2, eps=eps)]
+    adam = [scale_by_adam_8bit(b1=b1, b2=b2, eps=eps, chunk_blocks=chunk_blocks) if use_8bit
+            else optax.scale_by_adam(b1=b1, b2=b2, eps=eps)]
     if weight_decay:
         adam.append(optax.add_decayed_weights(weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
     if optimizer == "muon":

@@ -29,6 +29,7 @@ from slm.memory.host import MB
 from slm.model.lora import LoraSpec, split
 from slm.model.sizing import ModelShape, default_loss_chunk
 from slm.model.transformer import Transformer, init_params
+from slm.optim.adam8bit import CHUNK_BLOCKS
 from slm.optim.optimizer import make_optimizer
 from slm.train.config import BEFORE_THE_SETTING
 from slm.train.devices import data_mesh, shardings, state_shardings
@@ -114,11 +115,15 @@ def model_and_optimizer(spec: StepSpec, mesh: Any = None) -> tuple[Transformer, 
                         if spec.loss_chunk is None else spec.loss_chunk, dropout=spec.dropout,
                         nf4=spec.lora is not None and spec.base_dtype == "nf4", platform=spec.platform)
     # XLA:GPU holds a lax.cond's results apart: 8-bit Adam's update of Qwen3-0.6B took 5,065 MB of temporaries
-    # under optax's cond, 1,785 under `where` (float32 Adam: 594 either way; compile-only H100, 2026-11-30). Kept
-    # elsewhere: XLA:CPU's float32 update grows under `where`, and the TPU terms are fitted to the cond.
+    # under optax's cond, 1,785 under `where` (float32 Adam: 594 either way; compile-only H100, 2026-11-30). So
+    # does libtpu: with 8-bit state, in chunks (adam8bit.CHUNK_BLOCKS), Qwen3-0.6B's step on a v5e 12,586 MB under
+    # the cond, 7,467 under `where` (2026-12-03). Kept elsewhere: XLA:CPU's float32 update grows under `where`, and
+    # the TPU terms of float32 state are fitted to the cond.
+    tpu_8bit = platform == "tpu" and spec.use_8bit
     tx = make_optimizer(spec.weight_decay, spec.grad_clip, spec.accumulation, use_8bit=spec.use_8bit,
                         optimizer=spec.optimizer, muon_lr_ratio=spec.muon_lr_ratio, muon_mesh=mesh,
-                        skip_by="where" if platform == "gpu" else "cond")
+                        skip_by="where" if platform == "gpu" or tpu_8bit else "cond",
+                        chunk_blocks=CHUNK_BLOCKS if platform == "tpu" else None)
     return model, tx, jax.eval_shape(lambda: fresh_state(trainable_init(model, spec), tx))
 
 

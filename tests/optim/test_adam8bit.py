@@ -296,10 +296,12 @@ def test_adamw_8bit_matches_optax_adamw_closely():
     assert not math.isclose(float(jnp.abs(p1["w"] - p2["w"]).mean()), 0.0)
 
 
-def test_partial_last_block_is_scaled_by_its_own_elements():
-    """4,097 elements: the last block holds 1 real element and 255 padded lanes, which must not count."""
+@pytest.mark.parametrize("chunk_blocks", [None, 3])
+def test_partial_last_block_is_scaled_by_its_own_elements(chunk_blocks):
+    """4,097 elements: the last block holds 1 real element and 255 padded lanes, which must not count (the leaf
+    whole, or in chunks of 3 blocks: the partial block in the 2 left after the last chunk)."""
     x = jnp.zeros((4097,))
-    ours, ref = scale_by_adam_8bit(), optax.scale_by_adam()
+    ours, ref = scale_by_adam_8bit(chunk_blocks=chunk_blocks), optax.scale_by_adam()
     a, b = ours.init(x), ref.init(x)
     for sign in (1.0, -1.0, 1.0, -1.0):
         g = jnp.full((4097,), sign)
@@ -311,3 +313,30 @@ def test_partial_last_block_is_scaled_by_its_own_elements():
     # (before the fix its padded lanes dequantized to -0.993 x scale: 4.3% error against 0.7%).
     assert float(rel[-1]) == pytest.approx(float(rel[0]), abs=1e-6) and float(jnp.max(rel)) < 0.011
     assert float(a.mu.scales[-1]) == pytest.approx(float(a.mu.scales[0]), rel=1e-6)
+
+
+@pytest.mark.parametrize("size", [10 * BLOCK, 10 * BLOCK + 3])
+def test_a_leaf_updated_in_chunks_is_the_whole_leaf_update(size):
+    """Chunks of 3 blocks over 10 (a remainder of 1) or 11 (the partial last block in the remainder), each step
+    from the same state, through a skipped non-finite step: the whole leaf's update (the default) to XLA's
+    rounding (the two are fused apart), the same codes but where the moment lies within that rounding of a
+    code's midpoint, the state untouched by the skipped step."""
+    x = {"w": jnp.zeros((size,)), "n": jnp.zeros((7,))}
+    chunked = jax.jit(scale_by_adam_8bit(min_8bit_size=BLOCK, chunk_blocks=3).update)
+    whole = jax.jit(scale_by_adam_8bit(min_8bit_size=BLOCK).update)
+    b = scale_by_adam_8bit(min_8bit_size=BLOCK).init(x)
+    for step in range(5):
+        g = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(step), p.shape) * (1 + step), x)
+        if step == 2:
+            g["w"] = g["w"].at[5].set(jnp.nan)
+        (ua, a), (ub, b_next) = chunked(g, b), whole(g, b)
+        np.testing.assert_allclose(np.asarray(ua["w"]), np.asarray(ub["w"]), rtol=0, atol=1e-6)
+        for q, r, old in ((a.mu["w"], b_next.mu["w"], b.mu["w"]), (a.nu["w"], b_next.nu["w"], b.nu["w"])):
+            np.testing.assert_allclose(np.asarray(q.scales), np.asarray(r.scales), rtol=1e-6)
+            codes = np.asarray(q.codes, np.int32) - np.asarray(r.codes, np.int32)
+            assert np.abs(codes).max() <= 1 and np.count_nonzero(codes) <= size // 200
+            if step == 2:
+                np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(old.codes))
+        np.testing.assert_array_equal(np.asarray(ua["n"]), np.asarray(ub["n"]))
+        b = b_next
+    assert int(b.skipped) == 1 and b.mu["w"].scales.shape == (-(-size // BLOCK),)
