@@ -41,7 +41,7 @@ import optax
 BLOCK = 256
 # Blocks of a leaf updated at a time on a TPU (1M elements; the trainer's choice, slm.train.builder). Whole, the
 # update of one leaf held ~48 bytes an element of temporaries on a v5e (libtpu materializes the code maps'
-# gathers): 7.1 GB for Qwen3-0.6B's embedding alone; in chunks 6 (in_chunks). XLA:GPU and XLA:CPU hold 12 and 8
+# gathers): 7.1 GiB for Qwen3-0.6B's embedding alone; in chunks 6 (in_chunks). XLA:GPU and XLA:CPU hold 12 and 8
 # bytes an element for the leaf alone, 0.1 in chunks, but within the train step the whole leaf's update is
 # fused into the weights' and the chunks' is not (every leaf's update materialized): H100, Qwen3-0.6B's step
 # 5,808 -> 7,745 MB in chunks. So the default is the whole leaf.
@@ -151,7 +151,8 @@ def in_chunks(fn: Callable[..., tuple], g_NxB: jax.Array, state: tuple, chunk: i
     """fn(first_block, g blocks, *state blocks) -> (update, *new state), applied `chunk` blocks at a time: (the
     whole update, *the whole new state). A fori_loop's carry is one buffer from start to end, so each chunk's
     results are written where the old state lay and the temporaries are one chunk's; the blocks past the last
-    whole chunk go after the loop. Elementwise per block, so the same numbers as one call on the whole."""
+    whole chunk go after the loop. Elementwise per block: one call on the whole's numbers to XLA's rounding (the
+    two are fused apart; tests/optim/test_adam8bit.py)."""
     n = g_NxB.shape[0]
     if n <= chunk:
         return fn(0, g_NxB, *state)
