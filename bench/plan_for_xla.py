@@ -5,6 +5,7 @@
     .venv/bin/python bench/plan_for_xla.py sweep --target v5e-8 --rows full --fsdp  # full fine-tunes over the 8 chips
     .venv/bin/python bench/plan_for_xla.py muon-dp --target v5e-8   # Muon's update over a TPU slice's chips
     .venv/bin/python bench/plan_for_xla.py eight-bit --target v5e-1  # 8-bit state's step against float32's
+    .venv/bin/python bench/plan_for_xla.py gpu-grads      # full fine-tunes' gradients on a GPU: the fit's compiles
     .venv/bin/python bench/plan_for_xla.py sampler        # seed 002's QLoRA sampler on an A10G: before / after
     .venv/bin/python bench/plan_for_xla.py seed002        # seed 002's settings on an A10G 24 GB, and a 1B on v5e-8
     .venv/bin/python bench/plan_for_xla.py device-plan --out bench/out/plan.json    # --plan-for h100-80gb, here
@@ -604,6 +605,41 @@ def eight_bit(a: argparse.Namespace) -> None:
         print(f"| {acc} | {f32:,.0f} | {b8:,.0f} | {b8 / f32:.3f} | {rows[1]['planned_mb'] / b8:.3f} |", flush=True)
 
 
+GPU_GRADS_ROWS = [(m, L, 1) for m, depths in (("tinyllama-1.1b", (4, 8, 12, 16, 22)), ("llama-3.2-1b", (4, 8, 16)),
+                                               ("qwen3-0.6b", (4, 8, 16))) for L in depths] + \
+    [("llama-3.2-1b", 8, 2), ("llama-3.2-1b", 16, 2), ("tinyllama-1.1b", 4, 2), ("tinyllama-1.1b", 8, 2),
+     ("tinyllama-1.1b", 16, 2)]
+
+
+def gpu_grads(a: argparse.Namespace) -> None:
+    """Full fine-tunes on one GPU (remat, bf16 compute, AdamW, 1 x 512 a micro-step) at several depths, with and
+    without accumulation: XLA's peak against the plan with GPU_MIXED_GRADIENTS and with float32 gradients (4N);
+    the held-out rows (Gemma-3-1B, Qwen2.5-0.5B, SmolLM2-135M) are the tests' and the sweep's."""
+    from slm.memory.finetune import gpu_mixed_gradient_bytes
+    from slm.model.sizing import count_params
+    from slm.train.aot import compile_only, target_devices
+    from slm.train.devices import start_backend
+    from slm.train.plan_for import compile_programs, plan_shape, resolved_for
+
+    start_backend()
+    t = load_target(a.target)
+    devices = target_devices(t)
+    print(f"{a.target}, {time.strftime('%Y-%m-%d')}, {host()}\n| model | layers | micro-steps | XLA MB | planned / XLA "
+          f"| with float32 gradients |\n|---|---|---|---|---|---|")
+    for model, layers, acc in (GPU_GRADS_ROWS if not a.models else [(m, 0, 1) for m in a.models.split(",")]):
+        c = Config(use_streaming=True, plan_for=t.name, use_mixed_precision=True, init_from=os.path.join(MODELS, model),
+                   seq_len=512, batch_size=acc, gradient_accumulation_steps=acc, gradient_checkpointing=True)
+        shape = plan_shape(c)
+        shape = dataclasses.replace(shape, n_layers=layers or shape.n_layers)
+        c = resolved_for(c, shape, t.platform)
+        with compile_only():
+            xla = compile_programs(c, shape, devices, t, train_only=True)[0][1]
+        est = estimate_device_mb(c, shape, t)
+        old = est + (4 * count_params(shape) - gpu_mixed_gradient_bytes(shape, acc > 1)) / 2**20
+        print(f"| {model} | {shape.n_layers} | {acc} | {xla:,.0f} | {est / xla - 1:+.1%} | {old / xla - 1:+.1%} |",
+              flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -621,6 +657,9 @@ def main() -> None:
     e = sub.add_parser("eight-bit")
     e.add_argument("--target", default="v5e-1")
     e.add_argument("--model", default="qwen3-0.6b")
+    g = sub.add_parser("gpu-grads")
+    g.add_argument("--target", default="h100-80gb")
+    g.add_argument("--models", default="", help="these models whole instead of the fit's rows (comma-separated)")
     f = sub.add_parser("fit")
     f.add_argument("--target", default="h100-80gb")
     f.add_argument("--verbose", action="store_true")
@@ -651,7 +690,7 @@ def main() -> None:
         return
     {"sweep": sweep, "sampler": sampler, "fit": fit, "device-plan": device_plan, "device": device,
      "device-compare": device_compare, "muon-dp": muon_dp,
-     "eight-bit": eight_bit}[a.what](a)
+     "eight-bit": eight_bit, "gpu-grads": gpu_grads}[a.what](a)
 
 
 if __name__ == "__main__":

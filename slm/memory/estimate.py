@@ -9,7 +9,7 @@ Per device (bytes; N = parameters, Bd = micro-batch per device, S = seq len, L/D
 MLP width, heads, vocab; see slm/model/sizing.py):
 
     params        4N                      float32 master weights (also under mixed precision)
-    gradients     4N                      float32, a temporary of the step
+    gradients     4N                      float32, a temporary of the step (XLA:GPU holds fewer: finetune.py)
     optimizer     8N  float32 AdamW m, v  | ~2.03N with 8-bit state (model_sizing.optimizer_state_bytes)
     accumulation  4N  when accumulating   optax.MultiSteps' float32 gradient sum
     activations   Bd*S*L*(a*D + b*F + c*H*S') + t*Bd*H*Sb*S   what the backward pass keeps, incl. attention
@@ -38,16 +38,15 @@ gradients are reduce-scattered and `gathered` is its own fitted terms (slm.memor
 The coefficients a, b, c, e, t (bytes) are fitted to XLA's memory analysis of this trainer's compiled step
 (jax 0.10.2, XLA:CPU; per key 20 configurations, 5 shapes x 4 batch/seq up to seq 2,048, on one device and
 partitioned over two: bench/lora_memory_xla.py --fit scratch, 2026-11-26; worst error 1.9% in float32, 5.7% in bf16):
-XLA's CPU scheduler keeps most activations live even with remat, so gradient checkpointing saves only
-0-10% on CPU. Other backends and versions differ; the trainer's pre-flight compiles the real step and
-reads XLA's own figure, and bench/memory_accuracy.py measures these formulas against it.
+XLA's CPU scheduler keeps most activations live even with remat (remat saves 0-10% on CPU). Other backends
+differ; the pre-flight compiles the real step and reads XLA's figure (bench/memory_accuracy.py checks these).
 
 Host RSS (`host_breakdown`; MB) is the whole run's peak, not one step's:
 
     runtime       RUNTIME_MB + COMPILE_MB_PER_LAYER * L, + COMPILE_8BIT_MB + COMPILE_8BIT_MB_PER_M * N/1e6
                   with 8-bit state: Python, JAX/XLA, the tokenizer, the eval set and the compiled programs,
-                  after the compiler's freed memory went back to the OS (the trainer trims the heap after
-                  each compile; before that, glibc kept 300-1,300 MB of it: docs/memory.md)
+                  after the compiler's freed memory went back to the OS (the trainer trims the heap after each
+                  compile; glibc had kept 300-1,300 MB of it: docs/memory.md)
     data          the data pipeline (estimate_memory_usage's data side)
     devices       on CPU, every host device's total (device memory *is* host memory there)
     step slack    STEP_SLACK_MB + STEP_SLACK_PER_STATE * state: what the first steps, the eval and the sample
@@ -62,8 +61,7 @@ Host RSS (`host_breakdown`; MB) is the whole run's peak, not one step's:
 The runtime, slack and staging terms are fitted to 24 trainer runs (2026-11-25, jax 0.10.2, glibc malloc,
 2-core AMD EPYC: bench/memory_accuracy.py, 1M-100M params x seq 256-1024 x float32/8-bit x remat x 1/2
 devices, runs shorter and longer than --checkpoint-every): the pre-flight's prediction within -2.8% .. +10.2%
-of the measured peak RSS with these constants (docs/memory.md has the table). The pre-flight
-(slm/memory/preflight.py) replaces the device term by XLA's figure.
+of the measured peak RSS (docs/memory.md's table). The pre-flight (preflight.py) puts XLA's figure for devices.
 """
 
 from __future__ import annotations
@@ -78,6 +76,7 @@ from slm.memory.finetune import (
     Finetune,
     backward_bytes,
     fsdp_gathered_bytes,
+    gpu_mixed_gradient_bytes,
     lora_breakdown,
     model_shape,
     tpu_fsdp_full_bytes,
@@ -151,9 +150,9 @@ ACCEL_COEFFICIENTS: dict[str, dict[tuple[bool, bool], tuple[float, ...]]] = {
 # Update-phase temporaries in units of 4N (4H for Muon's hidden matrices), keyed by 8-bit state (module docstring).
 UPDATE_TEMPS = {False: 1.0, True: 2.3}
 MUON_UPDATE_TEMPS = {False: 2.8, True: 1.85}
-# XLA:GPU fuses Newton-Schulz's elementwise steps: 1.92 matrix-sized temporaries (float32 momentum), read from the
-# H100 step of a 350M model at seq 512, where the update is the peak (bench/plan_for_xla.py sweep); 8-bit: CPU's.
-GPU_MUON_UPDATE_TEMPS = {False: 1.92, True: MUON_UPDATE_TEMPS[True]}
+# XLA:GPU, skipping a non-finite step by `where`, holds 0.07-0.6 matrix-sized temporaries beyond the state at Muon's
+# update (H100, 1B/350M/100M at 1 x 512, 2026-12-05; 1.92 under the cond) and fuses AdamW's part; 8-bit: CPU's.
+GPU_MUON_UPDATE_TEMPS = {False: 0.5, True: MUON_UPDATE_TEMPS[True]}
 # XLA:GPU: AdamW's float32 update in one fused pass, no temporaries (5 H100 full fine-tunes, 2026-11-27: 0.96-0.99x);
 # 8-bit (skip by `where`) leaf by leaf, the largest last: its gradient (none accumulating) + 11.5 B an element
 GPU_ADAMW_UPDATE_TEMPS, GPU_ADAM8_LARGEST_LEAF = 0.0, 4 + 11.5
@@ -212,6 +211,7 @@ def device_breakdown(
     # adam8bit.CHUNK_BLOCKS) Qwen3-0.6B +46% (docs/memory.md)
     tpu_full = platform == "tpu" and remat and mixed and not lora and optimizer == "adamw" and not use_8bit_optimizer
     tpu_fsdp = platform == "tpu" and remat and mixed and fsdp and devices > 1 and (lora or tpu_full)
+    gpu_bf16_grads = platform == "gpu" and mixed and optimizer == "adamw" and not use_8bit_optimizer and devices == 1
     if lora:
         out = lora_breakdown(shape, finetune, seq_len, micro_batch, mixed_precision=mixed, gradient_checkpointing=remat,
                              use_8bit_optimizer=use_8bit_optimizer, accumulation=gradient_accumulation_steps,
@@ -231,8 +231,8 @@ def device_breakdown(
         activations, logits = backward_bytes(shape, micro_batch * seq_len, seq_len, coefficients, per_layer,
                                              2 if mixed else 4, loss_chunk, platform)
         out = {
-            "params": 4 * n,
-            "gradients": 4 * n,
+            "params": 4 * n,  # XLA:GPU keeps the blocks' gradients bf16 under mixed precision (GPU_MIXED_GRADIENTS)
+            "gradients": gpu_mixed_gradient_bytes(shape, accumulating) if gpu_bf16_grads else 4 * n,
             "optimizer_state": optimizer_state_bytes(shape, use_8bit_optimizer, gradient_accumulation_steps,
                                                      optimizer=optimizer) - accumulation,
             "accumulation": accumulation,
@@ -274,7 +274,7 @@ def update_bytes(shape: ModelShape, trained: int, use_8bit: bool, optimizer: str
         return max(0, int(leaf * min(trained, largest_matrix(shape)) - 4 * trained))
     hidden = sum(a * b for a, b in hidden_matrix_shapes(shape)) if optimizer == "muon" else 0
     muon = (GPU_MUON_UPDATE_TEMPS if platform == "gpu" else MUON_UPDATE_TEMPS)[use_8bit]
-    temps = GPU_ADAMW_UPDATE_TEMPS if platform == "gpu" and optimizer == "adamw" else UPDATE_TEMPS[use_8bit]
+    temps = GPU_ADAMW_UPDATE_TEMPS if platform == "gpu" and not use_8bit else UPDATE_TEMPS[use_8bit]
     if platform == "tpu" and hidden and shared > 1 and not use_8bit:  # libtpu's: whole on every chip, one padded
         padded = sum(r * c * -(-n // shared) * shared for (r, c), n in muon_stacks(shape).items())
         return int(4 * (temps * trained + (TPU_DP_MUON_UPDATE - 1) * hidden + padded))

@@ -176,6 +176,15 @@ TPU_LANES = 128  # a TPU vector register's lanes: an array's last dimension is l
 # with LoRA's TPU terms' per-layer term (2026-11-28 night, the same 32 shapes recompiled): worst 18.2% (the same
 # two), 27 within 10% (the terms before on these: worst 22.3%, 22).
 TPU_FSDP_FULL = (0.0, 0.82, 0.0, 5.36, 0.0)
+# XLA:GPU under mixed precision keeps a block matrix's gradient as the bf16 matmul made it and converts it to float32
+# inside AdamW's fused update and the global norm: 2 bytes a hidden-matrix weight at the peak, not 4 (the memory
+# usage report lists them as bf16[...] buffers), and beside the embeddings' float32 gradients one more float32
+# vocab x D buffer. Accumulating, each micro-step's gradients go into optax.MultiSteps' float32 sum as they come:
+# ~1 byte a hidden weight at the peak, no extra buffer. (bytes a hidden weight, vocab x D float32 buffers), keyed by
+# accumulating; one H100, AdamW with float32 moments, a full fine-tune (2026-12-05: TinyLlama, Llama-3.2-1B and
+# Qwen3-0.6B at 4-22 layers, Mistral-7B whole on an H200; 1 x 512 tokens; 12 compiles within +0.5%, 5 accumulating
+# -1% .. +3%; 4 bytes had planned them -12% .. +16%: bench/plan_for_xla.py gpu-grads).
+GPU_MIXED_GRADIENTS = {False: (2.0, 1.0), True: (1.0, 0.0)}
 # With an nf4 base XLA:CPU holds 0.82-0.99x the activations the coefficients give (5 shapes at 2 and 4 layers:
 # smollm2 0.82, qwen2.5 0.85, llama-3.2-1b 0.98, tinyllama 0.99); the middle of that range.
 NF4_ACTIVATIONS = 0.9
@@ -261,6 +270,14 @@ def fsdp_gathered_bytes(shape: ModelShape, base_dtype: str, casts: int, devices:
 def weighted(coefficients: tuple[float, ...], columns: list[float]) -> int:
     """A fitted term's bytes: its coefficients times its columns (the tpu_*_columns functions, in their order)."""
     return int(sum(k * x for k, x in zip(coefficients, columns, strict=True)))
+
+
+def gpu_mixed_gradient_bytes(shape: ModelShape, accumulating: bool) -> int:
+    """The gradients XLA:GPU holds at a full-parameter step's peak under mixed precision (GPU_MIXED_GRADIENTS)."""
+    hidden = sum(r * c for r, c in hidden_matrix_shapes(shape))
+    per_hidden, vocab_buffers = GPU_MIXED_GRADIENTS[accumulating]
+    return int(4 * (count_params(shape) - hidden) + per_hidden * hidden
+               + 4 * vocab_buffers * shape.vocab_size * shape.d_model)
 
 
 def tpu_fsdp_lora_columns(shape: ModelShape, base_dtype: str, casts: int, devices: int, tokens: int,

@@ -25,7 +25,7 @@ def test_an_unknown_name_is_refused_in_one_line_listing_the_known_ones():
     assert "\n" not in str(e.value) and "a10g-24gb" in str(e.value) and "v5e-8" in str(e.value)
 
 
-@pytest.mark.parametrize("name, platform, count", [("a10g-24gb", "gpu", 1), ("a100-80gbx8", "gpu", 8),
+@pytest.mark.parametrize("name, platform, count", [("a10g-24gb", "gpu", 1), ("a100-80gbx8", "gpu", 8), ("h200-141gb", "gpu", 1),
                                                    ("v5e-1", "tpu", 1), ("v5e-8", "tpu", 8), ("v4-8", "tpu", 4),
                                                    ("v5p-8", "tpu", 4)])
 def test_devices_per_target(name, platform, count):
@@ -48,5 +48,7 @@ def test_usable_memory_is_jax_preallocation_on_a_gpu_and_libtpus_offer_on_a_tpu(
     # a TPU's: what libtpu's compiler offers a program (tests/train/test_tpu_hbm.py checks it against libtpu), whatever
     # the GPU fraction says
     assert load_target("v5e-4").usable_mb({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"})[0] == 15.75 * 1024
+    # NVIDIA's "141 GB" of HBM3e is 141 GiB (XLA's h200.txtpb: 151,397,597,184 bytes)
+    assert load_target("h200-141gb").usable_mb({})[0] == pytest.approx(0.75 * 141 * 1024, rel=1e-3)
     with pytest.raises(ConfigError, match="XLA_CLIENT_MEM_FRACTION"):
         a10g.usable_mb({"XLA_CLIENT_MEM_FRACTION": "lots"})
