@@ -231,7 +231,7 @@ def device_breakdown(
         activations, logits = backward_bytes(shape, micro_batch * seq_len, seq_len, coefficients, per_layer,
                                              2 if mixed else 4, loss_chunk, platform)
         out = {
-            "params": 4 * n,  # XLA:GPU keeps the blocks' gradients bf16 under mixed precision (GPU_MIXED_GRADIENTS)
+            "params": 4 * n,
             "gradients": gpu_mixed_gradient_bytes(shape, accumulating) if gpu_bf16_grads else 4 * n,
             "optimizer_state": optimizer_state_bytes(shape, use_8bit_optimizer, gradient_accumulation_steps,
                                                      optimizer=optimizer) - accumulation,

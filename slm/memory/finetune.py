@@ -274,10 +274,10 @@ def weighted(coefficients: tuple[float, ...], columns: list[float]) -> int:
 
 def gpu_mixed_gradient_bytes(shape: ModelShape, accumulating: bool) -> int:
     """The gradients XLA:GPU holds at a full-parameter step's peak under mixed precision (GPU_MIXED_GRADIENTS)."""
-    hidden = sum(r * c for r, c in hidden_matrix_shapes(shape))
+    block, vocab_x_d = matmul_weights(shape)
+    hidden = shape.n_layers * block
     per_hidden, vocab_buffers = GPU_MIXED_GRADIENTS[accumulating]
-    return int(4 * (count_params(shape) - hidden) + per_hidden * hidden
-               + 4 * vocab_buffers * shape.vocab_size * shape.d_model)
+    return int(4 * (count_params(shape) - hidden) + per_hidden * hidden + 4 * vocab_buffers * vocab_x_d)
 
 
 def tpu_fsdp_lora_columns(shape: ModelShape, base_dtype: str, casts: int, devices: int, tokens: int,

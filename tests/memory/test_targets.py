@@ -25,9 +25,9 @@ def test_an_unknown_name_is_refused_in_one_line_listing_the_known_ones():
     assert "\n" not in str(e.value) and "a10g-24gb" in str(e.value) and "v5e-8" in str(e.value)
 
 
-@pytest.mark.parametrize("name, platform, count", [("a10g-24gb", "gpu", 1), ("a100-80gbx8", "gpu", 8), ("h200-141gb", "gpu", 1),
-                                                   ("v5e-1", "tpu", 1), ("v5e-8", "tpu", 8), ("v4-8", "tpu", 4),
-                                                   ("v5p-8", "tpu", 4)])
+@pytest.mark.parametrize("name, platform, count", [("a10g-24gb", "gpu", 1), ("a100-80gbx8", "gpu", 8),
+                                                   ("h200-141gb", "gpu", 1), ("v5e-1", "tpu", 1), ("v5e-8", "tpu", 8),
+                                                   ("v4-8", "tpu", 4), ("v5p-8", "tpu", 4)])
 def test_devices_per_target(name, platform, count):
     # v4-8 and v5p-8 are 4 chips of 2 TensorCores each, one megacore device per chip (Cloud TPU docs)
     t = load_target(name)
