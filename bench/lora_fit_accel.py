@@ -186,7 +186,9 @@ def fsdp_columns(r: dict) -> tuple[list[float], float]:
 
 def full_fsdp_columns(r: dict) -> tuple[list[float], float]:
     """(slm.memory.finetune.tpu_fsdp_full_columns, and the known part: today's estimate without them) of one
-    full fine-tune's compile (collect --full) with the weights split over r["devices"] chips."""
+    full fine-tune's compile (collect --full) with the weights split over r["devices"] chips. The tied column
+    is not fitted here since 2026-12-05: a tied embedding's gather is a phase of its own (TPU_FSDP_TIED, the
+    largest of it, the backward and the update), set by minimax over the v5e-8 sweep's full-depth rows."""
     from slm.memory.estimate import device_breakdown
     from slm.memory.finetune import tpu_fsdp_full_columns
 

@@ -254,13 +254,13 @@ def device_breakdown(
             out["base_casts"] = 0  # a shard's, counted in gathered_params
         elif tpu_fsdp:  # libtpu's own fit (TPU_FSDP_FULL): the gradients reduce-scattered, no whole model gathered
             out["gradients"] //= devices
-            out["gathered_params"] = tpu_fsdp_full_bytes(shape, devices, micro_batch * seq_len)
+            out["gathered_params"], out["tied_head"] = tpu_fsdp_full_bytes(shape, devices, micro_batch * seq_len)
         else:
             out["gathered_params"] = (fsdp_gathered_bytes(shape, finetune.base_dtype, out["base_casts"], devices)
                                       if lora else 4 * n)
-    phases = ("activations", "logits", "base_casts", "update")
+    phases = ("activations", "logits", "base_casts", "update", "tied_head")
     backward = out["activations"] + out["logits"] + out.get("base_casts", 0)
-    out["total"] = sum(v for k, v in out.items() if k not in phases) + max(backward, out["update"])
+    out["total"] = sum(out[k] for k in out if k not in phases) + max(backward, out["update"], out.get("tied_head", 0))
     return out
 
 

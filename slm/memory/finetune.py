@@ -174,8 +174,12 @@ TPU_LANES = 128  # a TPU vector register's lanes: an array's last dimension is l
 # (slm.train.builder.compiled_peak, the same 32 shapes recompiled): worst 18.3% (Llama-3.2-1B at 8 layers over 4
 # chips +16%, TinyLlama at 2 over 8 -18%), 29 within 10%. Refitted to the least-HBM figure (slm.train.builder.tpu_hbm)
 # with LoRA's TPU terms' per-layer term (2026-11-28 night, the same 32 shapes recompiled): worst 18.2% (the same
-# two), 27 within 10% (the terms before on these: worst 22.3%, 22).
-TPU_FSDP_FULL = (0.0, 0.82, 0.0, 5.36, 0.0)
+# two), 27 within 10% (the terms before on these: worst 22.3%, 22). A tied embedding is gathered whole in float32 for
+# the head's matmul and its gradient at the loss, a phase of its own (Llama-3.2-1B's live ranges over a v5e-8: the
+# gather's spike early in the step, the update's plateau late), not beside the update: TPU_FSDP_TIED float32 copies
+# (2026-12-05, the v5e-8 sweep's five tied models at full depth, minimax: -6.6% .. +6.5%; it had been 0.82 beside
+# the update, +2.6% .. +15.8%).
+TPU_FSDP_FULL, TPU_FSDP_TIED = (0.0, 0.0, 0.0, 5.36, 0.0), 1.06
 # XLA:GPU under mixed precision keeps a block matrix's gradient as the bf16 matmul made it and converts it to float32
 # inside AdamW's fused update and the global norm: 2 bytes a hidden-matrix weight at the peak, not 4 (the memory
 # usage report lists them as bf16[...] buffers), and beside the embeddings' float32 gradients one more float32
@@ -323,10 +327,12 @@ def tpu_fsdp_full_columns(shape: ModelShape, devices: int, tokens: int) -> list[
             devices * tokens * shape.d_model * 2, shape.n_layers * 4 * block / devices]
 
 
-def tpu_fsdp_full_bytes(shape: ModelShape, devices: int, tokens: int) -> int:
+def tpu_fsdp_full_bytes(shape: ModelShape, devices: int, tokens: int) -> tuple[int, int]:
     """What libtpu holds beyond each chip's shard of the state and the activations in a full fine-tune split over
-    `devices` chips: TPU_FSDP_FULL's coefficients times tpu_fsdp_full_columns."""
-    return weighted(TPU_FSDP_FULL, tpu_fsdp_full_columns(shape, devices, tokens))
+    `devices` chips: (beside every phase, TPU_FSDP_FULL's coefficients times tpu_fsdp_full_columns; at the loss, a
+    tied embedding gathered, TPU_FSDP_TIED copies)."""
+    columns = tpu_fsdp_full_columns(shape, devices, tokens)
+    return weighted(TPU_FSDP_FULL, columns), int(TPU_FSDP_TIED * columns[1])
 
 
 def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, remat: bool, platform: str,
