@@ -215,7 +215,7 @@ def device_breakdown(
     if lora:
         out = lora_breakdown(shape, finetune, seq_len, micro_batch, mixed_precision=mixed, gradient_checkpointing=remat,
                              use_8bit_optimizer=use_8bit_optimizer, accumulation=gradient_accumulation_steps,
-                             platform=platform, loss_chunk=loss_chunk)
+                             platform=platform, loss_chunk=loss_chunk, data_parallel=devices > 1 and not fsdp)
         n = out["params"] // 4
     else:
         n = count_params(shape)

@@ -28,10 +28,11 @@ its buffer assignment): a 16-bit base keeps about one kernel's copy at a time, a
 precision most of its bf16 blocks, an nf4 base one kernel dequantised. On a TPU with remat under mixed
 precision, and with neither (the flags' default), libtpu's compile decides the same way (fitted: with both a
 float32 base about half a block's copy and its tied embedding cast whole, an nf4 base ~3 kernels' worth of its
-dequantisation; with neither a 16-bit base no copy, a float32 base's tied embedding half again (relaid out for
-the head), an nf4 base ~4 kernels' worth). Elsewhere on a TPU (assumed, not fitted) only a base whose dtype
-differs from the compute dtype is cast: all layers' copies are held without remat, one layer's with it (a
-block's casts are recomputed in its backward), and the head's copy always.
+dequantisation on one chip, ~1.2 on each of several (TPU_DP_NF4_KERNELS); with neither a 16-bit base no copy,
+a float32 base's tied embedding half again (relaid out for the head), an nf4 base ~4 kernels' worth). Elsewhere
+on a TPU (assumed, not fitted) only a base whose dtype differs from the compute dtype is cast: all layers' copies
+are held without remat, one layer's with it (a block's casts are recomputed in its backward), and the head's copy
+always.
 
 Gradient checkpointing on an accelerator is modelled as it is meant to work: each block's input kept
 (D x compute bytes per token per layer) plus one block's activations while it is recomputed. XLA:CPU
@@ -142,6 +143,14 @@ LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
                             (True, True): (0.0, 0.17, 0.0, 0.67, 0.90, 0.0)},
                     "tpu": {(True, True): (0.0, 0.0, 0.0, 0.40, 3.04, 0.71),
                             (False, False): (0.0, 0.0, 0.0, 0.0, 4.11, 0.49)}}
+# An nf4 base on several TPU chips (data parallel, one SPMD program): libtpu fuses the dequantisation into the matmuls
+# there; on one chip it emits both halves as (out, in / 64, 32) arrays, lane-padded 4x, and holds ~3-4 kernels of them
+# (the casts' nf4 term above, fitted on one chip). Kernels held dequantised instead, by (remat, mixed precision):
+# minimax over the v5e-8 sweep's 7 QLoRA rows and Llama-3.2-1B / TinyLlama at 2 and 8 layers (2026-12-06; the same
+# on 2, 4 and 8 chips): -7.3% .. +7.3% (were -4.7% .. +13.9%). Without remat in float32 (the flags' default) not so:
+# there each of 8 chips holds ~1 byte a block weight a layer more than one chip (Llama-3.2-1B, TinyLlama at 2 layers
+# and full depth; docs/memory.md), not modelled yet: the one chip's terms stand (-21% .. -25% at full depth).
+TPU_DP_NF4_KERNELS = {(True, True): 1.2}
 # libtpu's LoRA step with its base split over the chips (FSDP; remat under mixed precision), beyond each chip's
 # shard of the state and the activations: every block's base shard again (nf4: its codes, else 16-bit), one block
 # gathered, a tied embedding gathered (16-bit), an untied head, the casts of a shard (nf4's, a float32 base's), the
@@ -336,14 +345,16 @@ def tpu_fsdp_full_bytes(shape: ModelShape, devices: int, tokens: int) -> tuple[i
 
 
 def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, remat: bool, platform: str,
-                    chunked_loss: bool = False) -> int:
+                    chunked_loss: bool = False, data_parallel: bool = False) -> int:
     """Bytes of compute-dtype copies of base weights the step holds at its peak (module docstring). A chunked
     loss (--loss-chunk) casts the head a chunk at a time, inside its loop (slm.model.loss.rows_in_loop): no
-    copy of the whole head."""
+    copy of the whole head. `data_parallel`: each of several chips holding the whole base (TPU_DP_NF4_KERNELS)."""
     block, head = matmul_weights(shape)
     compute = "bfloat16" if mixed_precision else "float32"
     if (remat, mixed_precision) in LORA_ACCEL_CASTS.get(platform, {}):  # the target compiler's own fit
         k16, b16, k32, b32, nf4_kernels, tied = LORA_ACCEL_CASTS[platform][(remat, mixed_precision)]
+        if platform == "tpu" and data_parallel and (remat, mixed_precision) in TPU_DP_NF4_KERNELS:
+            nf4_kernels = TPU_DP_NF4_KERNELS[(remat, mixed_precision)]
         cast = base_dtype not in ("nf4", compute)
         kernels, blocks = (k32, b32) if base_dtype == "float32" else (k16, b16)
         held = "bfloat16" if base_dtype == "nf4" else base_dtype  # nf4 keeps its embedding and head in bf16
@@ -407,8 +418,9 @@ def backward_bytes(shape: ModelShape, tokens: int, seq_len: int, coefficients: t
 
 def lora_breakdown(shape: ModelShape, ft: Finetune, seq_len: int, micro_batch: int, *, mixed_precision: bool,
                    gradient_checkpointing: bool, use_8bit_optimizer: bool, accumulation: int,
-                   platform: str, loss_chunk: int | None = None) -> dict[str, int]:
-    """The LoRA step's parts per device, bytes (module docstring), all but the update phase."""
+                   platform: str, loss_chunk: int | None = None, data_parallel: bool = False) -> dict[str, int]:
+    """The LoRA step's parts per device, bytes (module docstring), all but the update phase; `data_parallel`:
+    one of several devices each holding the whole base."""
     shapes = lora_param_shapes(shape, ft.lora_rank, ft.lora_targets)
     n = sum(math.prod(s) for s in shapes)
     acc = 4 * n + 8 if accumulation > 1 else 0
@@ -431,7 +443,8 @@ def lora_breakdown(shape: ModelShape, ft: Finetune, seq_len: int, micro_batch: i
         "optimizer_state": adam_state_bytes(shapes, use_8bit_optimizer, accumulation) - acc,
         "accumulation": acc,
         "base_casts": base_cast_bytes(shape, ft.base_dtype, mixed_precision, remat, platform,
-                                      logit_columns(shape.vocab_size, loss_chunk, platform) < shape.vocab_size),
+                                      logit_columns(shape.vocab_size, loss_chunk, platform) < shape.vocab_size,
+                                      data_parallel),
         "activations": activations,
         "logits": logits,
     }
