@@ -353,8 +353,8 @@ def base_cast_bytes(shape: ModelShape, base_dtype: str, mixed_precision: bool, r
     compute = "bfloat16" if mixed_precision else "float32"
     if (remat, mixed_precision) in LORA_ACCEL_CASTS.get(platform, {}):  # the target compiler's own fit
         k16, b16, k32, b32, nf4_kernels, tied = LORA_ACCEL_CASTS[platform][(remat, mixed_precision)]
-        if platform == "tpu" and data_parallel and (remat, mixed_precision) in TPU_DP_NF4_KERNELS:
-            nf4_kernels = TPU_DP_NF4_KERNELS[(remat, mixed_precision)]
+        if platform == "tpu" and data_parallel:
+            nf4_kernels = TPU_DP_NF4_KERNELS.get((remat, mixed_precision), nf4_kernels)
         cast = base_dtype not in ("nf4", compute)
         kernels, blocks = (k32, b32) if base_dtype == "float32" else (k16, b16)
         held = "bfloat16" if base_dtype == "nf4" else base_dtype  # nf4 keeps its embedding and head in bf16
