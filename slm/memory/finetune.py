@@ -148,9 +148,9 @@ LORA_ACCEL_CASTS = {"gpu": {(False, False): (0.11, 0.02, 0.0, 0.0, 0.70, 0.0),
 # (the casts' nf4 term above, fitted on one chip). Kernels held dequantised instead, by (remat, mixed precision):
 # minimax over the v5e-8 sweep's 7 QLoRA rows and Llama-3.2-1B / TinyLlama at 2 and 8 layers (2026-12-06; the same
 # on 2, 4 and 8 chips): -7.3% .. +7.3% (were -4.7% .. +13.9%; -7.4% .. +8.1% after the scales' fix). Without remat
-# in float32 (the flags' default) 0.8: minimax over Llama-3.2-1B at 2/4/8/16 layers, TinyLlama at 2/22, Qwen2.5-0.5B at 2/24, SmolLM2-135M at 30,
-# Mistral-7B at 2 on 8 chips, 1 x 512: -11.0% .. +11.2% (the one chip's 4.11 read them -0.7% .. +88.8%, once the
-# scales stopped being held a layer: slm.model.nf4.dequantize_halves).
+# in float32 (the flags' default) 0.8: minimax over Llama-3.2-1B at 2/4/8/16 layers, TinyLlama at 2/22, Qwen2.5-0.5B
+# at 2/24, SmolLM2-135M at 30, Mistral-7B at 2 on 8 chips, 1 x 512: -11.0% .. +11.2% (the one chip's 4.11 read them
+# -0.7% .. +88.8%, once the scales stopped being held a layer: slm.model.nf4.dequantize_halves).
 TPU_DP_NF4_KERNELS = {(True, True): 1.2, (False, False): 0.8}
 # libtpu's LoRA step with its base split over the chips (FSDP; remat under mixed precision), beyond each chip's
 # shard of the state and the activations: every block's base shard again (nf4: its codes, else 16-bit), one block

@@ -95,7 +95,7 @@ def dequantize_halves(codes: jax.Array, absmax: jax.Array, n_in: int, n_out: int
     # times the top level (1.0, but the layer's input's: _after), so that the scales too depend on the anchor: else
     # libtpu shares their broadcast, (out, in / 64, 32) in `dtype`, between forward and backward and holds it for
     # every layer from one to the other (on several chips, float32: ~1 byte a block weight a layer)
-    scale_OxBx1 = absmax[: n_in * n_out // BLOCK].reshape(n_out, -1, 1).astype(dtype) * table[15]
+    scale_OxBx1 = absmax[: n_in * n_out // BLOCK].reshape(n_out, -1, 1).astype(dtype) * table[-1]
 
     def level(nibble: jax.Array) -> jax.Array:
         values = [table[i] for i in range(16)]
