@@ -107,7 +107,7 @@ def step(a: argparse.Namespace) -> None:
     import slm.model.transformer as transformer
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from profile_step import build_step, run
+    from profile_step import alternate, build_step
 
     spec = argparse.Namespace(full=not a.lora, target="10m", model="smollm2-135m", vocab=8192, seq=a.seq,
                               batch=a.batch, devices=a.devices, matmul=None, mixed=False)
@@ -120,17 +120,9 @@ def step(a: argparse.Namespace) -> None:
         built[name] = list(build_step(spec))
     transformer.causal_attend = today
     print(built["today"][4])
-    times: dict[str, list[float]] = {name: [] for name in versions}
-    names = list(versions)
-    for r in range(a.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:  # each version leads a round in turn
-            compiled, state, base, batch, _ = built[name]
-            state, t = run(compiled, state, base, batch, a.steps + (r == 0))
-            built[name][1] = state
-            times[name] += t[1:] if r == 0 else t  # the first call of each is a warm-up
-    median = {name: statistics.median(t) for name, t in times.items()}
-    for name, m in median.items():
-        print(f"| {name} | median step {m * 1e3:,.0f} ms over {len(times[name])} steps | {m / median['today']:.3f}x "
+    medians = alternate(built, a.rounds, a.steps)
+    for name, (m, n) in medians.items():
+        print(f"| {name} | median step {m * 1e3:,.0f} ms over {n} steps | {m / medians['today'][0]:.3f}x "
               f"today's |")
 
 

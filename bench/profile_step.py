@@ -3,6 +3,8 @@
     .venv/bin/python bench/profile_step.py                      # the LoRA race's step (bench/vs_peft.py)
     .venv/bin/python bench/profile_step.py --model qwen3-0.6b   # Qwen3-0.6B's shape
     .venv/bin/python bench/profile_step.py --full --target 10m --seq 1024 --batch 2   # from scratch
+    .venv/bin/python bench/profile_step.py --full --target baby --seq 64 --batch 12 --vocab 65 --devices 2 \
+        --compare-options '{"vw512": {"xla_cpu_prefer_vector_width": "512"}}'   # XLA options, A/B in one process
 
 The step is the one the trainer compiles (slm.train.builder: build + compile_step; LoRA r16 alpha 32 on
 q_proj,v_proj over a frozen float32 base of ../shared/models/<model>'s shape with its vocabulary cut to
@@ -29,6 +31,11 @@ Prints the step's median wall time, each part's ms per step and share of the sum
 coverage (summed op time / wall time: below 1 where the host waits between ops, above 1 where two devices
 or overlapping ops run at once). One process, one sitting; the ratios, not the absolute ms, carry between
 hosts.
+
+--compare-options times instead the step compiled with sets of XLA compiler options (XLA_FLAGS' names, for
+that compile only) against the default and a control copy of the default, --steps steps each in turn for
+--rounds rounds: on a host whose speed wanders by ±20% within seconds (the Intel Xeon of 2026-12-06), runs in
+separate processes cannot tell a 10% lever from the noise.
 """
 
 from __future__ import annotations
@@ -169,8 +176,8 @@ def op_times(trace_dir: str, ops: dict) -> tuple[dict[str, float], int]:
     return total, n
 
 
-def build_step(a: argparse.Namespace):
-    """The compiled step, its state, base and batch (random weights, random tokens)."""
+def build_step(a: argparse.Namespace, options: dict | None = None):
+    """The compiled step (with these XLA compiler options), its state, base and batch (random weights, tokens)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -192,7 +199,7 @@ def build_step(a: argparse.Namespace):
     spec = StepSpec(shape, a.seq, a.batch, lora=None if a.full else LoraSpec(16, 32.0, 0.0, ("q_proj", "v_proj")),
                     matmul=matmul, mixed_precision=a.mixed)
     built = build(spec, data_mesh(a.batch, max_devices=a.devices))
-    compiled, secs, _ = compile_step(built)
+    compiled, secs, _ = compile_step(built, options)
     state = init_state(built)
     base = ()
     if built.base_abstract is not None:
@@ -222,6 +229,33 @@ def run(compiled, state, base, batch, steps: int) -> tuple[object, list[float]]:
     return state, times
 
 
+def alternate(built: dict[str, list], rounds: int, steps: int) -> dict[str, tuple[float, int]]:
+    """Each variant's [compiled, state, base, batch, ...] run `steps` steps a round, each leading a round in turn
+    (the host's speed wanders by the second: interleaving puts every variant in the same moments): the median
+    step in seconds of each, and how many steps it is over (the first call of each is a warm-up)."""
+    times: dict[str, list[float]] = {name: [] for name in built}
+    names = list(built)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            compiled, state, base, batch = built[name][:4]
+            state, t = run(compiled, state, base, batch, steps + (r == 0))
+            built[name][1] = state
+            times[name] += t[1:] if r == 0 else t
+    return {name: (statistics.median(t), len(t)) for name, t in times.items()}
+
+
+def compare_options(a: argparse.Namespace) -> None:
+    """The step compiled with each set of XLA options in --compare-options against the default and a control
+    copy of it (the same program compiled twice: the noise floor), steps interleaved in one process."""
+    variants = {"default": None, "default (control copy)": None, **json.loads(a.compare_options)}
+    built = {name: list(build_step(a, options)) for name, options in variants.items()}
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} | {built['default'][4]}")
+    medians = alternate(built, a.rounds, a.steps)
+    for name, (m, n) in medians.items():
+        print(f"| {name} | {json.dumps(variants[name] or {})} | median step {m * 1e3:,.1f} ms over {n} steps | "
+              f"{medians['default'][0] / m:.3f}x the default's speed |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m", help="a config folder of ../shared/models (LoRA)")
@@ -236,10 +270,16 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=0, help="also list the N heaviest ops with their part and op_name")
+    p.add_argument("--compare-options", default=None, metavar="JSON",
+                   help='instead of a profile, time the step compiled with XLA compiler options against the default, '
+                        'interleaved in one process, e.g. \'{"vw512": {"xla_cpu_prefer_vector_width": "512"}}\'')
+    p.add_argument("--rounds", type=int, default=30, help="with --compare-options: rounds of --steps steps each")
     a = p.parse_args()
     from slm.train.devices import configure_cpu_devices
 
     configure_cpu_devices(a.devices)
+    if a.compare_options:
+        return compare_options(a)
     import jax
 
     from slm.train.throughput import cpu_model

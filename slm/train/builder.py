@@ -181,14 +181,14 @@ def training_mesh(batch_size: int, devices_chosen: bool, max_devices: int | None
     return data_mesh(batch_size, None if strict else max_devices, strict=strict)
 
 
-def compiled_memory(jitted: Any, *args: Any) -> dict:
+def compiled_memory(jitted: Any, *args: Any, options: dict | None = None) -> dict:
     """XLA's memory analysis of a jitted function for these (possibly abstract) arguments, in bytes.
 
     peak = arguments + outputs + temporaries - aliased (outputs written into donated arguments):
     what the compiled program holds at once, before the runtime's own overhead (compiled_peak). Also returns
-    the executable under "compiled".
+    the executable under "compiled". `options`: XLA compiler options for this compile only (XLA_FLAGS' names).
     """
-    compiled = jitted.lower(*args).compile()
+    compiled = jitted.lower(*args).compile(options)
     m = compiled.memory_analysis()
     out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
            "temporaries": m.temp_size_in_bytes, "aliased": m.alias_size_in_bytes}
@@ -232,8 +232,9 @@ def compiled_platform(compiled: Any) -> str:
     return jax.devices()[0].platform
 
 
-def compile_step(built: Built) -> tuple[Any, float, float]:
-    """(the compiled train step, seconds to compile, XLA's peak MB per device), at abstract shapes."""
+def compile_step(built: Built, options: dict | None = None) -> tuple[Any, float, float]:
+    """(the compiled train step, seconds to compile, XLA's peak MB per device), at abstract shapes; `options`:
+    XLA compiler options for this compile only (bench/profile_step.py --compare-options)."""
     spec = built.spec
     batch = {k: jax.ShapeDtypeStruct((spec.batch_size, spec.seq_len), jnp.int32, sharding=built.batch_sharding)
              for k in ("input_ids", "targets")}
@@ -241,7 +242,7 @@ def compile_step(built: Built) -> tuple[Any, float, float]:
     step = make_train_step(built.model, built.tx, built.state_sharding, built.batch_sharding, built.base_sharding,
                            spec.seed)
     base = () if built.base_abstract is None else (built.base_abstract,)
-    mem = compiled_memory(step, built.abstract, batch, np.float32(0), *base)
+    mem = compiled_memory(step, built.abstract, batch, np.float32(0), *base, options=options)
     return mem["compiled"], time.time() - t0, mem["peak"] / MB
 
 
