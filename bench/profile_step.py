@@ -229,18 +229,18 @@ def run(compiled, state, base, batch, steps: int) -> tuple[object, list[float]]:
     return state, times
 
 
-def alternate(built: dict[str, list], rounds: int, steps: int) -> dict[str, tuple[float, int]]:
+def alternate(built: dict[str, list], rounds: int, steps: int, warmup: int = 1) -> dict[str, tuple[float, int]]:
     """Each variant's [compiled, state, base, batch, ...] run `steps` steps a round, each leading a round in turn
     (the host's speed wanders by the second: interleaving puts every variant in the same moments): the median
-    step in seconds of each, and how many steps it is over (the first call of each is a warm-up)."""
+    step in seconds of each, and how many steps it is over (each one's first `warmup` calls left out)."""
     times: dict[str, list[float]] = {name: [] for name in built}
     names = list(built)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             compiled, state, base, batch = built[name][:4]
-            state, t = run(compiled, state, base, batch, steps + (r == 0))
+            state, t = run(compiled, state, base, batch, steps + (warmup if r == 0 else 0))
             built[name][1] = state
-            times[name] += t[1:] if r == 0 else t
+            times[name] += t[warmup:] if r == 0 else t
     return {name: (statistics.median(t), len(t)) for name, t in times.items()}
 
 
@@ -250,7 +250,7 @@ def compare_options(a: argparse.Namespace) -> None:
     variants = {"default": None, "default (control copy)": None, **json.loads(a.compare_options)}
     built = {name: list(build_step(a, options)) for name, options in variants.items()}
     print(f"{time.strftime('%Y-%m-%d %H:%M')} | {built['default'][4]}")
-    medians = alternate(built, a.rounds, a.steps)
+    medians = alternate(built, a.rounds, a.steps, a.warmup)
     for name, (m, n) in medians.items():
         print(f"| {name} | {json.dumps(variants[name] or {})} | median step {m * 1e3:,.1f} ms over {n} steps | "
               f"{medians['default'][0] / m:.3f}x the default's speed |")
