@@ -100,3 +100,22 @@ def test_masked_targets_get_zero_gradient():
     # the masked loss is the mean over response tokens only
     nll = token_nll(model, params, x, y)
     assert float(loss(params, masked)) == pytest.approx(float(nll[:, 6:].mean()), rel=1e-6)
+
+
+def test_bf16_products_give_the_adapters_the_float32_gradients_within_bf16_rounding():
+    """Under --matmul-precision bfloat16 the adapters' products take bf16 operands (slm.model.lora._product):
+    their output and gradients equal the float32 model's (plain jnp products) within bf16 rounding."""
+    lora = LoraSpec(rank=4, alpha=8.0, targets=ALL)
+    f32, bf16 = Transformer(SHAPE, lora=lora), Transformer(SHAPE, lora=lora, matmul="bfloat16")
+    base, adapters = split(init_params(f32, 0, 16))
+    adapters = _randomised_b(adapters)
+    ids = _ids(5, (2, 17))
+
+    def loss(model):
+        return lambda a: mean_nll(token_nll(model, merge(base, a), ids[:, :-1], ids[:, 1:]), ids[:, 1:])
+
+    want, got = jax.grad(loss(f32))(adapters), jax.grad(loss(bf16))(adapters)
+    assert float(loss(bf16)(adapters)) == pytest.approx(float(loss(f32)(adapters)), rel=1e-2)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        assert float(jnp.abs(w).max()) > 0
+        np.testing.assert_allclose(g, w, atol=3e-2 * float(jnp.abs(w).max()))
