@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from slm.model.matmul import bf16_linear
+from slm.model.matmul import linear
 from slm.model.sizing import ModelShape
 
 TARGET_MODULE = {"q_proj": ("attn", "qkv"), "k_proj": ("attn", "qkv"), "v_proj": ("attn", "qkv"),
@@ -78,16 +78,10 @@ def adapted(module: nn.Module, lora: LoraSpec | None, y: jax.Array, x: jax.Array
         # The scale on the rank-r side (no pass over the (..., out) delta), and the kernel's product precision
         # with its backward's layouts (slm.model.matmul): jnp's own transpose of (h A) B fed dB a transposed
         # copy of the (tokens, out) cotangent, 25% of a Qwen3-0.6B LoRA step on CPU.
-        hA = _product(h.astype(y.dtype), A, module) * lora.scale
-        y = y.at[..., a:b].add(_product(hA, B, module))
+        mm = getattr(module, "matmul", "float32")
+        hA = linear(h.astype(y.dtype), A, mm) * lora.scale
+        y = y.at[..., a:b].add(linear(hA, B, mm))
     return y
-
-
-def _product(x: jax.Array, w: jax.Array, module: nn.Module) -> jax.Array:
-    """x . w in x's dtype, with bf16 operands and float32 sums where `module` multiplies its kernels so."""
-    if getattr(module, "matmul", "float32") == "bfloat16":
-        return bf16_linear(x, w)
-    return x @ w.astype(x.dtype)
 
 
 def _uniform(bound: float):

@@ -20,11 +20,12 @@ import jax.numpy as jnp
 from jax import lax
 
 Dtype = Any
+BF16 = jnp.dtype(jnp.bfloat16)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _linear(x: jax.Array, w: jax.Array, out_dtype: Dtype, w_rows_out: bool) -> jax.Array:
-    return _product(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), w_rows_out).astype(out_dtype)
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _linear(x: jax.Array, w: jax.Array, out_dtype: Dtype, w_rows_out: bool, op: Dtype) -> jax.Array:
+    return _product(x.astype(op), w.astype(op), w_rows_out).astype(out_dtype)
 
 
 def contract_f32(a: jax.Array, a_axes: tuple[int, ...], b: jax.Array, b_axes: tuple[int, ...]) -> jax.Array:
@@ -37,17 +38,17 @@ def _product(xb: jax.Array, wb: jax.Array, w_rows_out: bool) -> jax.Array:
     return contract_f32(xb, (xb.ndim - 1,), wb, (1 if w_rows_out else 0,))
 
 
-def _linear_fwd(x: jax.Array, w: jax.Array, out_dtype: Dtype, w_rows_out: bool) -> tuple[jax.Array, tuple]:
-    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+def _linear_fwd(x: jax.Array, w: jax.Array, out_dtype: Dtype, w_rows_out: bool, op: Dtype) -> tuple[jax.Array, tuple]:
+    xb, wb = x.astype(op), w.astype(op)
     # The dtypes of x and w ride along as empty arrays (custom_vjp residuals must be arrays).
     return _product(xb, wb, w_rows_out).astype(out_dtype), (xb, wb, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
-def _linear_bwd(out_dtype: Dtype, w_rows_out: bool, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _linear_bwd(out_dtype: Dtype, w_rows_out: bool, op: Dtype, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     """dx = g.w^T and dw = x^T.g, each with its operands in the row-major forms YNNPACK takes: the lhs's
     contracted axis last, or (for dw) the token axes, which XLA's dot decomposer turns into such a form."""
     xb, wb, x_tag, w_tag = res
-    gb = g.astype(jnp.bfloat16)
+    gb = g.astype(op)
     last, lead = gb.ndim - 1, tuple(range(xb.ndim - 1))
     dx = contract_f32(gb, (last,), wb, (0 if w_rows_out else 1,))
     dw = contract_f32(gb, lead, xb, lead) if w_rows_out else contract_f32(xb, lead, gb, lead)
@@ -59,12 +60,19 @@ _linear.defvjp(_linear_fwd, _linear_bwd)
 
 def bf16_linear(x_NxD: jax.Array, w_DxF: jax.Array, out_dtype: Dtype = None) -> jax.Array:
     """x (..., D) . w (D, F) -> (..., F) in `out_dtype` (default x's), bf16 operands, f32 accumulation."""
-    return _linear(x_NxD, w_DxF, jnp.dtype(out_dtype or x_NxD.dtype), False)
+    return _linear(x_NxD, w_DxF, jnp.dtype(out_dtype or x_NxD.dtype), False, BF16)
+
+
+def linear(x_NxD: jax.Array, w_DxF: jax.Array, precision: str) -> jax.Array:
+    """x (..., D) . w (D, F) -> (..., F) in x's dtype, operands in bf16 where `precision` is "bfloat16", else in
+    x's dtype, f32 sums: jnp's own transpose of x . w fed dw a transposed copy of g on XLA:CPU (LoRA's B)."""
+    op = BF16 if precision == "bfloat16" else jnp.dtype(x_NxD.dtype)
+    return _linear(x_NxD, w_DxF, jnp.dtype(x_NxD.dtype), False, op)
 
 
 def bf16_linear_rows(x_NxD: jax.Array, w_FxD: jax.Array, out_dtype: Dtype = None) -> jax.Array:
     """x (..., D) . w (F, D)^T -> (..., F), e.g. the tied head's logits; no transpose of w is materialised."""
-    return _linear(x_NxD, w_FxD, jnp.dtype(out_dtype or x_NxD.dtype), True)
+    return _linear(x_NxD, w_FxD, jnp.dtype(out_dtype or x_NxD.dtype), True, BF16)
 
 
 def bf16_dot_general(x: jax.Array, w: jax.Array, dimension_numbers: Any, precision: Any = None,
