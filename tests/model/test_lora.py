@@ -104,7 +104,7 @@ def test_masked_targets_get_zero_gradient():
 
 def test_bf16_products_give_the_adapters_the_float32_gradients_within_bf16_rounding():
     """Under --matmul-precision bfloat16 the adapters' products take bf16 operands (slm.model.matmul.linear):
-    their output and gradients equal the float32 model's (plain jnp products) within bf16 rounding."""
+    their output and gradients equal the float32 model's (float32 operands) within bf16 rounding."""
     lora = LoraSpec(rank=4, alpha=8.0, targets=ALL)
     f32, bf16 = Transformer(SHAPE, lora=lora), Transformer(SHAPE, lora=lora, matmul="bfloat16")
     base, adapters = split(init_params(f32, 0, 16))
