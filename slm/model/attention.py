@@ -51,10 +51,15 @@ def causal_attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Arr
     B, L, H, K = q_BxLxHxK.shape
     S, G = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
     scale = K ** -0.5 if scale is None else scale
-    operand = jnp.bfloat16 if bf16 else jnp.result_type(q_BxLxHxK.dtype, k_BxSxGxK.dtype)
-    # Head-major once (copies of L x H x K, small): every product below then has its batch axes leading.
-    q_BxGxLxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K).transpose(0, 2, 1, 3, 4).astype(operand)
-    k_BxGxSxK, v_BxGxSxK = (x.transpose(0, 2, 1, 3).astype(operand) for x in (k_BxSxGxK, v_BxSxGxK))
+    carry = jnp.result_type(q_BxLxHxK.dtype, k_BxSxGxK.dtype)
+    operand = jnp.bfloat16 if bf16 else carry
+    # Head-major once (copies of L x H x K, small): every product below then has its batch axes leading. The
+    # blocks take them in `carry` and cast to `operand` themselves, so that each block's key/value gradient
+    # comes back in `carry` and their sum over the blocks is not rounded to bf16 at every term (with bf16
+    # slices, XLA:CPU fused that sum, the head-major transposes and rope's backward into one loop fusion
+    # that converted back and forth: ~10% of the 10M step's op time).
+    q_BxGxLxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K).transpose(0, 2, 1, 3, 4).astype(carry)
+    k_BxGxSxK, v_BxGxSxK = (x.transpose(0, 2, 1, 3).astype(carry) for x in (k_BxSxGxK, v_BxSxGxK))
     offset, c = S - L, block or attention_block(L)
     outs = []
     for start in range(0, L, c):
@@ -69,7 +74,7 @@ def causal_attend(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Arr
         if mask_BxLxS is not None:
             visible = visible & mask_BxLxS[:, start:stop, first:last]
         outs.append(_block(q_BxGxLxRxK[:, :, start:stop], k_BxGxSxK[:, :, first:last],
-                           v_BxGxSxK[:, :, first:last], visible, scale))
+                           v_BxGxSxK[:, :, first:last], visible, scale, operand, carry))
     out_BxGxLxRxK = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
     return out_BxGxLxRxK.transpose(0, 2, 1, 3, 4).reshape(B, L, H, K).astype(dtype)
 
@@ -106,24 +111,27 @@ def _by_rows(a_BxGxLxRxM: jax.Array, b_BxGxLxRxN: jax.Array) -> jax.Array:
     return lax.dot_general(a_BxGxLxRxM, b_BxGxLxRxN, rows, preferred_element_type=jnp.float32).swapaxes(2, 3)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> jax.Array:
-    """One query block (B, G, Lc, R, K) against its visible keys (B, G, Sc, K) -> (B, G, Lc, R, K) in float32."""
-    return _block_fwd(q, k, v, visible, scale)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float, operand: Dtype,
+           carry: Dtype) -> jax.Array:
+    """One query block (B, G, Lc, R, K) against its visible keys (B, G, Sc, K) -> (B, G, Lc, R, K) in float32,
+    the products' operands in `operand`; q, k, v (and so their gradients) in `carry`."""
+    return _block_fwd(q, k, v, visible, scale, operand, carry)[0]
 
 
-def _block_fwd(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> tuple:
+def _block_fwd(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float, operand: Dtype,
+               carry: Dtype) -> tuple:
+    q, k, v = q.astype(operand), k.astype(operand), v.astype(operand)
     e, l_BxGxLxRx1 = _exps(q, k, visible, scale)
     e = e.astype(v.dtype)
     o = _mix(e, v) / l_BxGxLxRx1  # normalised after the product: an (L, K) division instead of an (L, S) one
     return o, (q, k, v, e, l_BxGxLxRx1, o)  # no mask: e is already 0 where a key is hidden
 
 
-def _block_bwd(scale: float, res: tuple, do_BxGxLxRxK: jax.Array) -> tuple:
+def _block_bwd(scale: float, operand: Dtype, carry: Dtype, res: tuple, do_BxGxLxRxK: jax.Array) -> tuple:
     """With P = e / l: dV = e^T (dO / l), dP / l = (dO / l) V^T, dS = e (dP / l - rowsum(dO * O) / l),
     dQ = dS K scale, dK = dS^T Q scale: the 1 / l goes on (L, K) and (L, 1) operands, never on an (L, S) one."""
     q, k, v, e, l_BxGxLxRx1, o = res
-    operand = v.dtype
     inv = 1.0 / l_BxGxLxRx1
     d_BxGxLxRx1 = jnp.sum(do_BxGxLxRxK * o, axis=-1, keepdims=True) * inv
     do = (do_BxGxLxRxK * inv).astype(operand)
@@ -132,7 +140,7 @@ def _block_bwd(scale: float, res: tuple, do_BxGxLxRxK: jax.Array) -> tuple:
     ds = (e.astype(jnp.float32) * (dp - d_BxGxLxRx1) * scale).astype(operand)  # (B, G, Lc, R, Sc)
     dq = lax.dot_general(ds, k, (((4,), (2,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
     dk = _by_rows(q, ds)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(carry), dk.astype(carry), dv.astype(carry), None
 
 
 _block.defvjp(_block_fwd, _block_bwd)
