@@ -332,15 +332,15 @@ def host_breakdown(
     use_8bit_optimizer: bool = False,
     save_alone: bool = False,
 ) -> dict[str, float]:
-    """Predicted whole-run peak RSS in MB and its parts (module docstring); `dev` is device_breakdown's.
-
-    `save_alone`: no step runs beside a save's copy of the state (saves that wait for their write, or a run
-    that ends before its first save): the copy then only counts where it outgrows the step's temporaries,
-    which are freed between steps."""
+    """Predicted whole-run peak RSS in MB and its parts (module docstring); `dev` is device_breakdown's. On CPU a
+    LoRA base replicated over the host devices counts once (they alias one buffer: slm.train.devices.put_frozen).
+    `save_alone`: no step runs beside a save's copy of the state (saves that wait for their write, or a run that
+    ends before its first save): the copy then only counts where it outgrows the step's temporaries."""
+    held = devices * dev["total"] - (devices - 1) * (0 if "gathered_params" in dev else dev.get("base_params", 0))
     out = {
         "runtime": runtime_mb(shape, use_8bit_optimizer, dev["gradients"] // 4),
         "data": data_mb,
-        "devices": devices * dev["total"] / MB if platform == "cpu" else 0.0,
+        "devices": held / MB if platform == "cpu" else 0.0,
         "step_slack": step_slack_mb(state_mb(dev, devices)),
         "checkpoint_staging": staging_beside(dev, devices, platform, use_8bit_optimizer, save_alone),
     }

@@ -55,9 +55,17 @@ class MemoryPlan:
         return self.estimate["device_total_mb"]
 
     @property
+    def shared_base_mb(self) -> float:
+        """On CPU a LoRA base replicated over this host's devices, which all alias one host buffer
+        (slm.train.devices.put_frozen): counted once, not once a device."""
+        e = self.estimate
+        return e.get("base_params_mb", 0.0) if self.platform == "cpu" and "gathered_params_mb" not in e else 0.0
+
+    @property
     def devices_mb(self) -> float:
         """On CPU this host's devices' compiled steps (device memory *is* host memory there); else 0."""
-        return self.local_devices * self.compiled_device_mb if self.platform == "cpu" else 0.0
+        held = self.local_devices * self.compiled_device_mb - (self.local_devices - 1) * self.shared_base_mb
+        return held if self.platform == "cpu" else 0.0
 
     @property
     def staging_mb(self) -> float:
@@ -92,7 +100,8 @@ class MemoryPlan:
         if not self.load_mb:
             return 0.0
         e = self.estimate
-        placed = max(self.local_devices * e.get("base_params_mb", e["params_mb"]) - self.load_layer_mb, 0.0)
+        weights = self.local_devices * e.get("base_params_mb", e["params_mb"])
+        placed = max(weights - (self.local_devices - 1) * self.shared_base_mb - self.load_layer_mb, 0.0)
         return self.runtime_mb + self.data_mb + self.load_mb + (placed if self.platform == "cpu" else 0.0)
 
     @property

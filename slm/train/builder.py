@@ -260,7 +260,8 @@ def load_weights(built: Built, folder: str) -> tuple[Any, str, str]:
     spec = built.spec
     dtype = spec.base_dtype if spec.lora is not None else "float32"
     _, params, fingerprint, what = load_pretrained(folder, dtype, sharding=lambda s: leaf_sharding(s, built.mesh,
-                                                                                                    spec.sharding))
+                                                                                                    spec.sharding),
+                                                   frozen=spec.lora is not None)
     return params, fingerprint, what
 
 
@@ -280,9 +281,13 @@ def init_state(built: Built, params: Any = None) -> TrainState:
 def place_base(built: Built, params: Any) -> Any:
     """LoRA: the pretrained weights as the frozen base, in --base-dtype and the base's layout, one array at a
     time (load_pretrained already read them in that dtype; an array already in place is not copied)."""
+    from slm.train.devices import put_frozen
+
     def put(x: Any, sharding: Any) -> Any:
         dtype = held_dtype(x.dtype, x.ndim, built.spec.base_dtype)
-        return jax.device_put(x if x.dtype == dtype else x.astype(dtype), sharding)
+        if isinstance(x, jax.Array):  # load_pretrained placed it (put_frozen's buffer: device_put keeps it)
+            return jax.device_put(x if x.dtype == dtype else x.astype(dtype), sharding)
+        return put_frozen(x.astype(dtype, copy=False), sharding)
 
     return jax.tree.map(put, params, built.base_sharding)
 
@@ -293,15 +298,17 @@ def read_dtype(dtype: str) -> np.dtype:
     return np.dtype(jnp.dtype("bfloat16" if dtype == "nf4" else dtype))
 
 
-def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True,
-                    sharding: Any = None) -> tuple[ModelShape, Any, str | None, str]:
+def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True, sharding: Any = None,
+                    frozen: bool = False) -> tuple[ModelShape, Any, str | None, str]:
     """(shape, params in `dtype` or None, sha256 of the weights as read, what they were) of a Hugging Face
     folder or of one of this trainer's runs (its newest checkpoint). Each tensor goes to the device as soon as
     it is read and hashed, laid out by `sharding(shape)` (default: the default device): never all of them
-    twice on the host, and under FSDP never whole on one device."""
+    twice on the host, and under FSDP never whole on one device. `frozen`: a LoRA base, which no step donates,
+    replicated over host CPU devices as one host buffer they all alias (slm.train.devices.put_frozen)."""
     from slm.io.hf_import import load_hf_folder
 
     from slm.model.nf4 import quantize_block, quantize_params
+    from slm.train.devices import put_frozen
 
     nf4 = dtype == "nf4"  # each block's kernels quantized as assembled
     target = read_dtype(dtype)
@@ -310,7 +317,9 @@ def load_pretrained(folder: str, dtype: str = "float32", weights: bool = True,
     def place(x: np.ndarray) -> Any:
         digest.update(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data)  # bf16 has no buffer format
         x = x.astype(held_dtype(x.dtype, x.ndim, dtype) if nf4 else target, copy=False)
-        return jax.device_put(x) if sharding is None else jax.device_put(x, sharding(tuple(x.shape)))
+        if sharding is None:
+            return jax.device_put(x)
+        return (put_frozen if frozen else jax.device_put)(x, sharding(tuple(x.shape)))
 
     if os.path.isdir(os.path.join(folder, "checkpoints")):  # a run of this trainer
         run = load_run(folder)

@@ -82,3 +82,48 @@ def test_gpu_transfers_skip_the_pinned_staging_pool_only_on_an_nvidia_machine(tm
                           capture_output=True, text=True, timeout=120, env={**clean, **env})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == expect
+
+
+FROZEN = textwrap.dedent("""
+    import gc, json
+    from slm.train.devices import configure_cpu_devices, data_mesh, put_frozen
+    configure_cpu_devices(2)
+    import jax, ml_dtypes, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def rss_mb():
+        return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+    mesh = data_mesh(2)
+    replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+    out = {}
+    for name, dtype in (("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16)):
+        x = np.random.default_rng(0).standard_normal((64, 257)).astype(dtype)[1:]  # a view at an odd offset
+        a = put_frozen(x, replicated)
+        ptrs = {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+        y = np.array(x, copy=True)
+        del x; gc.collect()  # the source goes: the devices' buffer must not
+        same = jax.jit(lambda v: (v.astype(np.float32) * 2).sum(axis=0), out_shardings=replicated)
+        out[name] = {"buffers": len(ptrs), "shards": len(a.addressable_shards), "sharding": a.sharding == replicated,
+                     "equal": bool(np.array_equal(np.asarray(a), y)),
+                     "step_equal": bool(np.array_equal(np.asarray(same(a)), np.asarray(same(jax.device_put(y, replicated)))))}
+    s = put_frozen(np.arange(8, dtype=np.float32), split)  # split over the devices: an ordinary placement
+    out["split"] = [np.asarray(t.data).tolist() for t in sorted(s.addressable_shards, key=lambda t: t.device.id)]
+    big = np.ones(64 * 2**20 // 4, np.float32)  # 64 MiB, touched
+    before = rss_mb(); kept = put_frozen(big, replicated); out["frozen_mb"] = rss_mb() - before
+    before = rss_mb(); copied = jax.device_put(big, replicated); copied.block_until_ready()
+    out["device_put_mb"] = rss_mb() - before
+    print(json.dumps(out))
+""")
+
+
+def test_a_frozen_base_replicated_over_host_devices_is_one_host_buffer():
+    """put_frozen: both host devices alias one buffer (one pointer, RSS grows by one copy where jax.device_put
+    grows by two), whose values and step results equal an ordinary placement's, outliving its source array."""
+    proc = subprocess.run([sys.executable, "-c", FROZEN], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("float32", "bfloat16"):
+        assert out[name] == {"buffers": 1, "shards": 2, "sharding": True, "equal": True, "step_equal": True}, out
+    assert out["split"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert 48 < out["frozen_mb"] < 96 and out["device_put_mb"] > 112, out  # 64 MiB once vs twice
