@@ -280,14 +280,11 @@ def init_state(built: Built, params: Any = None) -> TrainState:
 
 def place_base(built: Built, params: Any) -> Any:
     """LoRA: the pretrained weights as the frozen base, in --base-dtype and the base's layout, one array at a
-    time (load_pretrained already read them in that dtype; an array already in place is not copied)."""
-    from slm.train.devices import put_frozen
-
+    time (load_pretrained already read them in that dtype and placed them, a replicated base as one host buffer
+    the host devices alias: an array already in place is not copied)."""
     def put(x: Any, sharding: Any) -> Any:
         dtype = held_dtype(x.dtype, x.ndim, built.spec.base_dtype)
-        if isinstance(x, jax.Array):  # load_pretrained placed it (put_frozen's buffer: device_put keeps it)
-            return jax.device_put(x if x.dtype == dtype else x.astype(dtype), sharding)
-        return put_frozen(x.astype(dtype, copy=False), sharding)
+        return jax.device_put(x if x.dtype == dtype else x.astype(dtype), sharding)
 
     return jax.tree.map(put, params, built.base_sharding)
 
