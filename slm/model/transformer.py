@@ -13,6 +13,7 @@ effect; Linen says it with less machinery.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -64,6 +65,38 @@ def windowed(mask: jax.Array, q_pos: jax.Array, k_pos: jax.Array, window: int) -
 
 def gated_act(shape: ModelShape, gate: jax.Array) -> jax.Array:
     return jax.nn.gelu(gate, approximate=True) if shape.mlp_act == "gelu_tanh" else nn.silu(gate)
+
+
+def gated_product(shape: ModelShape, gate_up_BxLx2F: jax.Array, bf16_residual: bool = False) -> jax.Array:
+    """act(gate) * up of the fused gate/up product (B, L, 2F). With `bf16_residual` (the products take bf16
+    operands anyway: --matmul-precision bfloat16) and a float32 product, the backward keeps the product rounded
+    to bf16 and recomputes the activation from it; XLA would otherwise keep the float32 product, sigmoid(gate)
+    and silu(gate) a layer, most of what a LoRA step holds for its backward. The forward is unchanged."""
+    if bf16_residual and gate_up_BxLx2F.dtype == jnp.float32:
+        return _gated_bf16_residual(shape, gate_up_BxLx2F)
+    return _act_times_up(shape, gate_up_BxLx2F)
+
+
+def _act_times_up(shape: ModelShape, gate_up: jax.Array) -> jax.Array:
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return gated_act(shape, gate) * up
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gated_bf16_residual(shape: ModelShape, gate_up: jax.Array) -> jax.Array:
+    return _act_times_up(shape, gate_up)
+
+
+def _gated_fwd(shape: ModelShape, gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # A float32 residual would not do: XLA merges the backward's recomputed activation with the forward's (CSE)
+    return _act_times_up(shape, gate_up), gate_up.astype(jnp.bfloat16)
+
+
+def _gated_bwd(shape: ModelShape, gate_up_bf16: jax.Array, dh: jax.Array) -> tuple[jax.Array]:
+    return jax.vjp(functools.partial(_act_times_up, shape), gate_up_bf16.astype(dh.dtype))[1](dh)
+
+
+_gated_bf16_residual.defvjp(_gated_fwd, _gated_bwd)
 
 
 def document_layout(ids_BxL: jax.Array, start_id: int) -> tuple[jax.Array, jax.Array]:
@@ -216,8 +249,7 @@ class SwiGLU(nn.Module):
         out_std = 0.02 / (2 * self.shape.n_layers) ** 0.5
         gate_up = dense(2 * F, "gate_up", self.dtype, 0.02, matmul=self.matmul, nf4=self.nf4)
         gate_up_BxLx2F = adapted(self, self.lora, gate_up(x_BxLxD), x_BxLxD, "gate_up")
-        gate, up = jnp.split(gate_up_BxLx2F, 2, axis=-1)
-        h_BxLxF = gated_act(self.shape, gate) * up
+        h_BxLxF = gated_product(self.shape, gate_up_BxLx2F, self.matmul == "bfloat16")
         down = dense(self.shape.d_model, "down", self.dtype, out_std, matmul=self.matmul, nf4=self.nf4)
         return adapted(self, self.lora, down(h_BxLxF), h_BxLxF, "down")
 
