@@ -31,8 +31,9 @@ CLASSES = {"llama": "Llama", "llama3": "Llama", "mistral": "Mistral", "qwen2": "
            "gemma3": "Gemma3", "llama_bias": "Llama", "qwen3_bias": "Qwen3"}
 
 
-def save_tiny(family: str, out, seed: int = 0, vocab_size: int = 128, tokenizer=None):
-    """Save a tiny random model of `family` to `out` (with `tokenizer` as its tokenizer.json when given)."""
+def save_tiny(family: str, out, seed: int = 0, vocab_size: int = 128, tokenizer=None, dtype=None):
+    """Save a tiny random model of `family` to `out` (with `tokenizer` as its tokenizer.json when given), its
+    weights stored in `dtype` (a torch dtype; default float32)."""
     import transformers
 
     cls = CLASSES[family]
@@ -49,7 +50,7 @@ def save_tiny(family: str, out, seed: int = 0, vocab_size: int = 128, tokenizer=
                 p.copy_((0.0 if family == "gemma3" else 1.0) + 0.5 * (torch.rand(p.shape, generator=gen) * 2 - 1))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(str(out), safe_serialization=True)
+    (model if dtype is None else model.to(dtype)).save_pretrained(str(out), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save(str(out / "tokenizer.json"))
     return model

@@ -52,6 +52,31 @@ def weight_files(folder: str) -> list[str]:
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
+def checkpoint_dtype(folder: str) -> str | None:
+    """The one dtype every weight of a model folder is stored in ("bfloat16", "float16", "float32"), from the
+    safetensors headers; without weights, what config.json's torch_dtype says; None where the tensors mix
+    dtypes, a trainer run (its float32 checkpoints) or nothing says."""
+    if os.path.isdir(os.path.join(folder, "checkpoints")):
+        return "float32"
+    try:
+        files = weight_files(folder)
+    except RunError:
+        files = []
+    if not files:
+        try:
+            with open(os.path.join(folder, "config.json")) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError):
+            return None
+        said = str(cfg.get("torch_dtype") or cfg.get("dtype") or "").removeprefix("torch.")
+        return said if said in ("bfloat16", "float16", "float32") else None
+    stored = set()
+    for path in files:
+        with open(path, "rb") as f:
+            stored |= {info["dtype"] for info in _header(f)[1].values()}
+    return _DTYPES.get(stored.pop()) if len(stored) == 1 else None
+
+
 def _tensors(files: list[str], dtype: Any = np.float32) -> Iterator[tuple[str, np.ndarray]]:
     """(name, float32 numpy array), one tensor at a time, in file order.
 

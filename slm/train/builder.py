@@ -67,7 +67,7 @@ class StepSpec:
         """The spec of a slm.train.config.Config (or a run's config.json as a namespace)."""
         return cls(shape, c.seq_len, c.batch_size, c.gradient_accumulation_steps, c.use_mixed_precision,
                    c.gradient_checkpointing, c.use_8bit_optimizer, c.weight_decay, c.grad_clip, c.sharding, c.seed,
-                   doc_start, lora_spec(c), getattr(c, "base_dtype", "float32"), *optimizer_of(c),
+                   doc_start, lora_spec(c), getattr(c, "base_dtype", None) or "float32", *optimizer_of(c),
                    getattr(c, "matmul_precision", None) or "float32", getattr(c, "loss_chunk", None),
                    0.0 if getattr(c, "dropout_from_epoch", 0) else getattr(c, "dropout", 0.0) or 0.0)
 

@@ -63,7 +63,7 @@ class Config:
     lora_alpha: float = setting(16.0, "LoRA scale numerator: adapters add (alpha / rank) * x A B", IDENTITY)
     lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input during training", IDENTITY, "probability")
     lora_targets: str = setting("q_proj,v_proj", "LoRA: comma-separated Hugging Face module names among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj", IDENTITY)
-    base_dtype: str = setting("float32", "With --lora-rank: the dtype the frozen base is held in (adapters always train in float32); nf4: QLoRA's 4-bit NormalFloat for the blocks' matrices (block 64, float32 absmax; embeddings bfloat16), dequantised per matmul", IDENTITY, choices=("float32", "bfloat16", "float16", "nf4"))
+    base_dtype: str | None = setting(None, "With --lora-rank: the dtype the frozen base is held in (adapters always train in float32); nf4: QLoRA's 4-bit NormalFloat for the blocks' matrices (block 64, float32 absmax; embeddings bfloat16), dequantised per matmul. Default: bfloat16 where that changes no value (the checkpoint stored in bfloat16, bf16 products or --use-mixed-precision), else float32", IDENTITY, choices=("float32", "bfloat16", "float16", "nf4"))
     # instruction data
     prompt_column: str | None = setting(None, "Instruction data: the prompt column (with --response-column); the loss is taken on response tokens only", IDENTITY, unset="off")
     response_column: str | None = setting(None, "Instruction data: the response column (with --prompt-column)", IDENTITY, unset="off")
@@ -278,7 +278,7 @@ def validate(c: Config) -> None:
                           f"{c.dropout_from_epoch + 1}")
     if not 0 <= c.lora_dropout < 1:
         raise ConfigError(f"--lora-dropout {c.lora_dropout}: must be in [0, 1)")
-    if c.base_dtype != "float32" and c.lora_rank is None:
+    if c.base_dtype not in (None, "float32") and c.lora_rank is None:
         raise ConfigError(f"--base-dtype {c.base_dtype}: only a frozen LoRA base can be held in a low dtype; add --lora-rank")
     if (c.prompt_column is None) != (c.response_column is None):
         raise ConfigError("--prompt-column and --response-column: give both (the loss is taken on the response)")

@@ -39,9 +39,11 @@ class Choice:
         return f"[defaults] {flag} {value}: {self.reason}"
 
 
-def resolve_defaults(c: Config, shape: ModelShape, backend: str, precision: str) -> tuple[Config, list[Choice]]:
+def resolve_defaults(c: Config, shape: ModelShape, backend: str, precision: str,
+                     stored: str | None = None) -> tuple[Config, list[Choice]]:
     """`c` with every unset (None) default filled in, and the choices made; the user's values are kept as given.
-    `backend`: jax's platform; `precision`: slm.model.matmul.default_matmul_precision() there."""
+    `backend`: jax's platform; `precision`: slm.model.matmul.default_matmul_precision() there; `stored`: the
+    dtype --init-from's weights are stored in (slm.io.hf_import.checkpoint_dtype; None: mixed or unknown)."""
     choices = []
 
     def choose(key: str, value: Any, reason: str) -> None:
@@ -64,4 +66,18 @@ def resolve_defaults(c: Config, shape: ModelShape, backend: str, precision: str)
     chunk = default_loss_chunk(shape.vocab_size, backend, c.matmul_precision or precision)
     choose("loss_chunk", chunk, f"the loss over {chunk}-entry vocabulary chunks at vocabulary {shape.vocab_size:,}"
            if chunk else f"the whole logits at vocabulary {shape.vocab_size:,} (measured the faster here)")
+    if lora:
+        choose("base_dtype", *base_dtype_choice(stored, c.matmul_precision or precision, c.use_mixed_precision))
     return dataclasses.replace(c, **{ch.key: ch.value for ch in choices}), choices
+
+
+def base_dtype_choice(stored: str | None, products: str, mixed_precision: bool) -> tuple[str, str]:
+    """LoRA's frozen base: bfloat16 where that changes no value and saves memory, i.e. the checkpoint is stored
+    in bfloat16 and every product rounds its kernels to bf16 anyway; float32 otherwise. Under float32 products
+    XLA:CPU keeps a float32 copy of each bf16 kernel for the backward: a bf16 base would cost more (issue 41)."""
+    if stored != "bfloat16":
+        return "float32", f"the checkpoint is stored in {stored or 'mixed or unknown dtypes'}; float32 holds it exactly"
+    if products == "bfloat16" or mixed_precision:
+        return "bfloat16", ("the checkpoint is stored in bfloat16 and the products round the kernels to bf16: the "
+                            "same values and losses in half the base's memory")
+    return "float32", "float32 products would keep a float32 copy of each bf16 kernel (more memory, not less)"

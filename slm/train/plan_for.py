@@ -30,6 +30,7 @@ from typing import Any
 
 from slm.errors import ConfigError, first_line
 from slm.io.atomic import write_json
+from slm.io.hf_import import checkpoint_dtype
 from slm.memory.estimate import estimate_memory_usage, parse_size
 from slm.memory.finetune import Finetune, model_shape
 from slm.memory.fit import fit_candidates
@@ -92,7 +93,8 @@ def plan_shape(c: Config) -> ModelShape:
 def resolved_for(c: Config, shape: ModelShape, platform: str) -> Config:
     """`c` with the defaults a run on `platform` resolves (slm.train.defaults, as the run there would: an
     accelerator's products are float32 unless --matmul-precision says otherwise)."""
-    return resolve_defaults(c, shape, platform, "float32")[0]
+    stored = checkpoint_dtype(c.init_from) if c.init_from and os.path.isdir(c.init_from) else stored_dtype(c)
+    return resolve_defaults(c, shape, platform, "float32", stored if c.init_from else None)[0]
 
 
 def device_bytes(tree: Any) -> int:

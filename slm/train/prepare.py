@@ -31,6 +31,7 @@ from slm.data.tokenizer import (
 )
 from slm.errors import ConfigError, DatasetError
 from slm.io.atomic import write_atomically, write_json
+from slm.io.hf_import import checkpoint_dtype
 from slm.io.tracking import require_tensorboard, require_wandb
 from slm.memory.estimate import estimate_memory_usage, parse_size
 from slm.memory.fit import fit_candidates, smallest_setting
@@ -345,7 +346,8 @@ def settle_defaults(c: Config, data: TrainData, log: Log) -> tuple[Config, list[
     configure_cpu_devices(c.cpu_devices)  # before jax's backend starts: it is first imported here
     import jax
 
-    c, choices = resolve_defaults(c, data.shape, jax.default_backend(), default_matmul_precision())
+    stored = checkpoint_dtype(data.init_folder) if data.init_folder else None
+    c, choices = resolve_defaults(c, data.shape, jax.default_backend(), default_matmul_precision(), stored)
     choices = data.choices + choices
     for choice in choices:
         log(choice.line())

@@ -320,3 +320,34 @@ def test_the_reads_transient_is_what_tracemalloc_sees(tmp_path, vocab, layers, s
 
         from_shape = load_transient_bytes(shape, stored, held) / 2**20
         assert 0.99 * peak <= from_shape <= 1.25 * peak, (peak, from_shape)
+
+
+def test_checkpoint_dtype_reads_the_headers_then_config_json(tmp_path):
+    """The dtype a folder's weights are stored in, from every shard's header (safetensors' own writer, with
+    ml_dtypes' bfloat16); a folder with only config.json says its torch_dtype; mixed or unknown is None."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from slm.io.hf_import import checkpoint_dtype
+
+    def folder(name: str, shards: dict, cfg: dict | None = None):
+        out = tmp_path / name
+        out.mkdir()
+        for file, tensors in shards.items():
+            save_file(tensors, str(out / file))
+        if len(shards) > 1:
+            (out / "model.safetensors.index.json").write_text(json.dumps(
+                {"weight_map": {k: f for f, t in shards.items() for k in t}}))
+        (out / "config.json").write_text(json.dumps(cfg or {"torch_dtype": "float32"}))
+        return str(out)
+
+    bf16 = np.ones((2, 3), ml_dtypes.bfloat16)
+    assert checkpoint_dtype(folder("bf16", {"model.safetensors": {"a": bf16, "b": bf16[0]}})) == "bfloat16"
+    assert checkpoint_dtype(folder("f32", {"model.safetensors": {"a": np.ones(3, np.float32)}})) == "float32"
+    two = {"model-1.safetensors": {"a": bf16}, "model-2.safetensors": {"b": np.ones(3, np.float32)}}
+    assert checkpoint_dtype(folder("mixed", two)) is None  # a float32 norm beside bf16 kernels: not one dtype
+    assert checkpoint_dtype(folder("config-only", {}, {"torch_dtype": "bfloat16"})) == "bfloat16"
+    assert checkpoint_dtype(folder("says-nothing", {}, {"model_type": "llama"})) is None
+    run = tmp_path / "a-run"
+    (run / "checkpoints").mkdir(parents=True)
+    assert checkpoint_dtype(str(run)) == "float32"  # this trainer's runs keep float32 params

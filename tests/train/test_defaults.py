@@ -42,6 +42,25 @@ def test_a_pretrained_start_and_an_accelerator_get_their_own_defaults():
     assert given.loss_chunk > 0 and default.loss_chunk == 0
 
 
+@pytest.mark.parametrize("stored, products, mixed, held", [
+    ("bfloat16", "bfloat16", False, "bfloat16"),  # the products round the kernels to bf16 anyway
+    ("bfloat16", "float32", True, "bfloat16"),  # so does --use-mixed-precision's compute dtype
+    ("bfloat16", "float32", False, "float32"),  # float32 products would keep float32 copies beside it
+    ("float32", "bfloat16", False, "float32"),  # rounding a float32 checkpoint would change its norms and embedding
+    (None, "bfloat16", False, "float32"),  # mixed or unknown
+])
+def test_a_lora_base_is_held_in_bfloat16_only_where_no_value_changes(stored, products, mixed, held):
+    c = Config(dataset_id="x.txt", init_from="m", lora_rank=8, use_mixed_precision=mixed)
+    out, choices = resolve_defaults(c, choose_shape(1_000_000, 2048), "cpu", products, stored)
+    assert out.base_dtype == held and [ch.value for ch in choices if ch.key == "base_dtype"] == [held]
+    given, choices = resolve_defaults(dataclasses.replace(c, base_dtype="float32"), choose_shape(1_000_000, 2048),
+                                      "cpu", products, stored)
+    assert given.base_dtype == "float32" and "base_dtype" not in [ch.key for ch in choices]
+    full, choices = resolve_defaults(dataclasses.replace(c, lora_rank=None), choose_shape(1_000_000, 2048), "cpu",
+                                     products, stored)
+    assert full.base_dtype is None and "base_dtype" not in [ch.key for ch in choices]  # no frozen base: not said
+
+
 @pytest.mark.slow
 def test_the_run_says_its_defaults_in_one_block_and_records_them(tmp_path, data_dir):
     logs = []

@@ -111,6 +111,31 @@ def test_lora_resume_refuses_another_base(tmp_path, folder, data_dir, capsys):
     assert [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()] == ["1"]  # nothing lost
 
 
+def test_a_bfloat16_checkpoint_is_held_in_bfloat16_with_the_same_losses(tmp_path, data_dir, capsys):
+    """The default --base-dtype on a checkpoint stored in bfloat16: held in bf16 under bf16 products, with every
+    step's loss and the eval loss bit-equal to the same run holding it in float32 (the reference); under
+    float32 products it stays float32 (a bf16 base would add float32 copies)."""
+    folder = tmp_path / "bf16"
+    save_tiny("llama", folder, vocab_size=300, tokenizer=train_bpe(DOCS, 300), dtype=torch.bfloat16)
+    args = ["--use-streaming", "--init-from", str(folder), "--dataset-id", str(data_dir / "tinyshakespeare_train.txt"),
+            "--seq-len", "32", "--batch-size", "4", "--eval-tokens", "256", "--lora-rank", "4", "--max-steps", "3",
+            "--eval-every", "3", "--log-every", "1"]
+
+    def run(name: str, *flags: str) -> tuple[str, list, str]:
+        capsys.readouterr()
+        assert main(args + ["--output-dir", str(tmp_path / name), *flags]) == 0
+        rows = [json.loads(r) for r in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        held = json.loads((tmp_path / name / "config.json").read_text())["base_dtype"]
+        return held, [r.get("loss", r.get("eval_loss")) for r in rows], capsys.readouterr().out
+
+    held, losses, log = run("default", "--matmul-precision", "bfloat16")
+    assert held == "bfloat16" and "[defaults] --base-dtype bfloat16: the checkpoint is stored in bfloat16" in log
+    assert "base frozen in bfloat16" in log
+    reference = run("float32", "--matmul-precision", "bfloat16", "--base-dtype", "float32")
+    assert reference[0] == "float32" and len(losses) == 4 and losses == reference[1]
+    assert run("f32-products", "--matmul-precision", "float32")[0] == "float32"
+
+
 def test_lora_on_instruction_data_with_fsdp(tmp_path, folder, capsys):
     rows = [{"q": f"Question {i}: what is {i} plus {i}?", "a": f"It is {2 * i}."} for i in range(200)]
     data = tmp_path / "pairs.jsonl"
