@@ -7,7 +7,8 @@
         --compare-options '{"vw512": {"xla_cpu_prefer_vector_width": "512"}}'   # XLA options, A/B in one process
 
 The step is the one the trainer compiles (slm.train.builder: build + compile_step; LoRA r16 alpha 32 on
-q_proj,v_proj over a frozen float32 base of ../shared/models/<model>'s shape with its vocabulary cut to
+q_proj,v_proj over a frozen base (--base-dtype; default the trainer's for a checkpoint stored in bf16:
+bfloat16 under bf16 products) of ../shared/models/<model>'s shape with its vocabulary cut to
 --vocab, random weights; or with --full a from-scratch model and AdamW), on --devices host devices, with the
 host's matmul precision (slm.model.matmul.cpu_has_bf16_dot) unless --matmul says otherwise. It runs --warmup
 steps, then --steps steps under jax.profiler.trace; the trace's per-op events (XLA:CPU names each executed
@@ -187,6 +188,7 @@ def build_step(a: argparse.Namespace, options: dict | None = None):
     from slm.model.matmul import cpu_has_bf16_dot
     from slm.model.sizing import choose_shape
     from slm.train.builder import StepSpec, build, compile_step, init_state
+    from slm.train.defaults import base_dtype_choice
     from slm.train.devices import data_mesh
 
     if a.full:
@@ -196,8 +198,10 @@ def build_step(a: argparse.Namespace, options: dict | None = None):
     else:
         shape = dataclasses.replace(model_shape(os.path.join(MODELS, a.model)), vocab_size=a.vocab)
     matmul = a.matmul or ("bfloat16" if cpu_has_bf16_dot() else "float32")
+    # the base as the trainer holds a checkpoint stored in bf16 (as SmolLM2's and Qwen3's are) by default
+    held = a.base_dtype or base_dtype_choice("bfloat16", matmul, a.mixed)[0]
     spec = StepSpec(shape, a.seq, a.batch, lora=None if a.full else LoraSpec(16, 32.0, 0.0, ("q_proj", "v_proj")),
-                    matmul=matmul, mixed_precision=a.mixed)
+                    matmul=matmul, mixed_precision=a.mixed, base_dtype=held)
     built = build(spec, data_mesh(a.batch, max_devices=a.devices))
     compiled, secs, _ = compile_step(built, options)
     state = init_state(built)
@@ -211,7 +215,8 @@ def build_step(a: argparse.Namespace, options: dict | None = None):
              for k, x in (("input_ids", ids[:, :-1]), ("targets", ids[:, 1:]))}
     what = (f"{'from scratch ' + a.target if a.full else a.model + ' LoRA r16 q,v'}, {shape.n_layers} x "
             f"{shape.d_model}, {shape.n_heads} heads, vocab {a.vocab:,}, seq {a.seq} x batch {a.batch}, "
-            f"{len(built.mesh.devices.flat)} device(s), matmul {matmul}, compile {secs:.0f}s")
+            f"{len(built.mesh.devices.flat)} device(s), matmul {matmul}{'' if a.full else ', base ' + held}, "
+            f"compile {secs:.0f}s")
     return compiled, state, base, batch, what
 
 
@@ -267,6 +272,8 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=1, help="host devices (the batch is split over them)")
     p.add_argument("--matmul", choices=("float32", "bfloat16"), default=None, help="default: the host's")
     p.add_argument("--mixed", action="store_true", help="bf16 activations (--use-mixed-precision)")
+    p.add_argument("--base-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="LoRA's frozen base; default: the trainer's for a checkpoint stored in bf16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=0, help="also list the N heaviest ops with their part and op_name")

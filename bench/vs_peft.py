@@ -1,13 +1,14 @@
 """LoRA fine-tuning: this trainer against transformers + peft, side by side in one sitting.
 
     .venv/bin/python bench/vs_peft.py                      # SmolLM2-135M's shape, vocab 8,192: 111M params
-    .venv/bin/python bench/vs_peft.py --steps 25 --ours "" --ours "--base-dtype bfloat16"   # two rows of ours
+    .venv/bin/python bench/vs_peft.py --steps 25 --ours "" --ours="--base-dtype float32"   # two rows of ours
 
 The base: ../shared/models/smollm2-135m/config.json (a Llama: 30 layers x 576, 9 heads, 3 KV heads) with its
 vocabulary cut to --vocab (a byte-level BPE of that size trained here on tinyshakespeare), random weights,
 saved by transformers as safetensors into a scratch folder. The run: LoRA rank 16, alpha 32, on q_proj and
-v_proj, dropout 0, AdamW, seq 256 x batch 4, the frozen base in float32, tinyshakespeare packed into
-256-token rows (the same tokenizer for all three).
+v_proj, dropout 0, AdamW, seq 256 x batch 4, tinyshakespeare packed into 256-token rows (the same tokenizer
+for all three). The base is stored in bfloat16, as SmolLM2's own; peft holds it in --peft-base-dtype, ours in
+its default --base-dtype (bfloat16 under bf16 products, float32 otherwise: slm.train.defaults).
 
 - transformers + peft, float32: `get_peft_model(LoraConfig(...))`, torch.optim.AdamW over the adapters,
   forward + backward + step, one process;
