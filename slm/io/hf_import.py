@@ -63,18 +63,24 @@ def checkpoint_dtype(folder: str) -> str | None:
     except RunError:
         files = []
     if not files:
-        try:
-            with open(os.path.join(folder, "config.json")) as f:
-                cfg = json.load(f)
-        except (OSError, ValueError):
-            return None
-        said = str(cfg.get("torch_dtype") or cfg.get("dtype") or "").removeprefix("torch.")
-        return said if said in ("bfloat16", "float16", "float32") else None
+        return config_dtype(folder)
     stored = set()
     for path in files:
         with open(path, "rb") as f:
             stored |= {info["dtype"] for info in _header(f)[1].values()}
     return _DTYPES.get(stored.pop()) if len(stored) == 1 else None
+
+
+def config_dtype(folder: str) -> str | None:
+    """The dtype a model folder's config.json says its weights are stored in (torch_dtype, or dtype):
+    "bfloat16", "float16" or "float32"; None where it says nothing else or cannot be read."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    said = str(cfg.get("torch_dtype") or cfg.get("dtype") or "").removeprefix("torch.")
+    return said if said in ("bfloat16", "float16", "float32") else None
 
 
 def _tensors(files: list[str], dtype: Any = np.float32) -> Iterator[tuple[str, np.ndarray]]:

@@ -19,7 +19,6 @@ checkpoint save copies the resident state to the host (no device buffer beyond t
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -30,7 +29,7 @@ from typing import Any
 
 from slm.errors import ConfigError, first_line
 from slm.io.atomic import write_json
-from slm.io.hf_import import checkpoint_dtype
+from slm.io.hf_import import checkpoint_dtype, config_dtype
 from slm.memory.estimate import estimate_memory_usage, parse_size
 from slm.memory.finetune import Finetune, model_shape
 from slm.memory.fit import fit_candidates
@@ -242,14 +241,7 @@ def planned_mb(c: Config, shape: ModelShape, target: Target) -> float:
 def stored_dtype(c: Config) -> str:
     """--init-from's checkpoint dtype as its config.json says (torch_dtype; bfloat16, most published models',
     where it says nothing or the folder is not local)."""
-    path = os.path.join(c.init_from or "", "config.json")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return "bfloat16"
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
-    return dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16"
+    return config_dtype(c.init_from or "") or "bfloat16"
 
 
 def host_plan(c: Config, shape: ModelShape, target: Target, est: dict) -> dict | None:
